@@ -1,0 +1,655 @@
+"""Fused cross-entropy: loss AND gradient in one pass over the logits, with online softmax (Triton).
+
+What it computes
+----------------
+For one row of logits x[0..V) and its target class t (PyTorch's `F.cross_entropy`, class-index targets):
+
+    lse    = log(sum_j exp(x_j))                       # log-sum-exp, the softmax normalizer
+    loss   = lse - (1 - eps) * x_t - (eps / V) * sum_j x_j
+    dx_j   = scale * (softmax(x)_j - (1 - eps) * [j == t] - eps / V)
+
+eps is the label smoothing (0 by default, which leaves the familiar `lse - x_t` and `softmax - onehot`). This is
+PyTorch's definition: loss = (1 - eps) * nll + (eps / V) * sum_j (-log p_j), and -log p_j = lse - x_j. `scale` is
+1 / (number of non-ignored rows) for reduction="mean" and 1 for "sum"/"none". A row whose target equals
+`ignore_index` (padding, masked prompt tokens) has loss 0 and gradient exactly 0, and does not count in the mean.
+
+Why fuse, and why compute the gradient in the forward pass
+-----------------------------------------------------------
+The logits of an LLM are huge: LLaMA-3's vocabulary has V = 128256 entries, so 16384 tokens make 4.2 GB of bf16 logits.
+PyTorch's path (log_softmax, then nll_loss; transformers first upcasts to fp32) writes a full [N, V] fp32 log-softmax
+for the backward and reads and writes the rows several times: 26.9 ms and +24 GB on an H200. The arithmetic is
+trivial; the cost is memory traffic. The minimum traffic for loss + gradient is: read each logit once, write each
+gradient entry once, i.e. 2 * N * V * itemsize bytes (2 * 2 bytes per entry in bf16). We get close to that by
+producing the gradient during the forward pass, like Liger-Kernel: the kernel already has the row in hand (and, for
+a 256 KB bf16 row, still in L2), so the backward only has to multiply by the upstream gradient, which is 1 in
+training (the scale kernel below then returns immediately). Per row the kernel makes two passes:
+
+    pass 1  read x in chunks of BLOCK_V, keep a running max m and running sum d (online softmax), x_t, sum(x)
+    pass 2  read x again (mostly from L2: we walk the chunks in reverse so the last ones read are the first re-read)
+            and write dx
+
+The online softmax (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018): after each chunk,
+
+    m_new = max(m, max(chunk));   d = d * exp(m - m_new) + sum(exp(chunk - m_new));   m = m_new
+
+so d always equals sum_j exp(x_j - m) over the entries seen so far, the exponent never exceeds 0 (no overflow even for
+logits of 1e4), and no [V]-sized buffer is needed: lse = m + log(d).
+
+Precision and sizes
+-------------------
+- All arithmetic is fp32 whatever the logits dtype: exp/log/sums of 128256 terms in bf16 (8 significant bits) would
+  lose the loss entirely. The loss is returned in fp32; the gradient is stored in the logits' dtype.
+- Offsets are int64: row * row_stride passes 2^31 elements (the int32 limit) at N * V > 2.1e9, e.g. 16744 rows at
+  V = 128256, a single LLaMA-3 batch of 16 k tokens.
+- No host synchronization: the mean's 1 / n_valid stays a device tensor that the kernel loads; nothing calls
+  `.item()` or branches on a tensor in Python.
+
+Memory: the default allocates one gradient buffer (one logits size). `inplace_backward=True` writes the gradient
+into the logits buffer itself (+0 bytes).
+
+The second half of this file builds the fused *linear* cross-entropy on top of the kernel: loss from hidden states and
+the lm_head weight, never materializing the full [N, V] logits (see "Linear cross-entropy" below).
+"""
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+    print("No CUDA device: Triton kernels run on the CPU interpreter (toy sizes; times are not meaningful).", file=sys.stderr)
+
+import triton  # noqa: E402  (must come after TRITON_INTERPRET is set)
+import triton.language as tl  # noqa: E402
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr,  # [N, V] rows (any row strides, unit column stride), fp32/bf16/fp16
+    grad_ptr,  # where dlogits goes: its own buffer, or logits_ptr itself (in-place mode)
+    targets_ptr,  # [N] integer class indices (any integer dtype)
+    losses_ptr,  # [N] fp32 per-row losses (output)
+    scale_ptr,  # fp32 gradient scale: one value (scale_stride = 0) or one per row
+    n_rows,
+    V,  # vocabulary size (row length)
+    rows_per_batch,  # T for [B, T, V] logits (N for 2-D), to turn a flat row index into (b, t)
+    logits_stride_b, logits_stride_t,  # element strides of dims b and t of the logits
+    grad_stride_b, grad_stride_t,  # same for the gradient buffer
+    targets_stride,
+    scale_stride,
+    ignore_index,
+    label_smoothing,
+    BLOCK_V: tl.constexpr,  # vocabulary chunk handled per loop step (power of 2)
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the chunk loops (loads issued ahead of use)
+    HAS_SMOOTHING: tl.constexpr,  # label_smoothing > 0: also accumulate sum(x)
+    COMPUTE_GRAD: tl.constexpr,  # run pass 2 (logits need a gradient); otherwise only the loss
+):
+    # A fixed number of "persistent" programs (about one per multiprocessor) each walk over rows p, p + P, ...
+    # Why not one program per row: pass 2 should find the row still in L2 (50 MB). With one program per SM only
+    # ~132 rows of 256 KB are in flight (33 MB); with thousands of resident programs the rows evict each other and
+    # pass 2 reads them from HBM again, 1.5x the traffic. Latency is hidden by pipelining the chunk loops instead.
+    for row_index in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        # int64 BEFORE multiplying by strides: row * V overflows int32 once the logits hold more than 2^31 elements,
+        # and the pointer arithmetic would silently wrap to another row.
+        row = tl.cast(row_index, tl.int64)
+        b = row // rows_per_batch
+        t = row - b * rows_per_batch
+        logits_row = logits_ptr + b * logits_stride_b + t * logits_stride_t
+        grad_row = grad_ptr + b * grad_stride_b + t * grad_stride_t
+        cols = tl.arange(0, BLOCK_V)  # the chunk's column offsets 0..BLOCK_V-1 (a vector of BLOCK_V lanes)
+        target = tl.load(targets_ptr + row * targets_stride).to(tl.int64)
+
+        if target == ignore_index:
+            # Ignored row: loss 0 and a gradient of exact zeros, written without reading the logits.
+            tl.store(losses_ptr + row, 0.0)
+            if COMPUTE_GRAD:
+                zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
+                for start in tl.range(0, V, BLOCK_V):
+                    tl.store(grad_row + start + cols, zeros, mask=start + cols < V)
+        else:
+            # A target outside [0, V) is never used as an address (the one load at x + target is masked off), so it
+            # cannot read or write out of bounds; instead its loss and gradient become NaN, loudly.
+            target_ok = (target >= 0) & (target < V)
+            x_target = tl.load(logits_row + target, mask=target_ok, other=0.0).to(tl.float32)
+
+            # ---- pass 1: online softmax statistics ---------------------------------------------------------------
+            m = float("-inf")  # running max of the row
+            d = 0.0  # running sum of exp(x - m)
+            # Label smoothing needs sum(x): kept per lane and reduced once at the end, not once per chunk.
+            sum_x_lanes = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
+                offs = start + cols
+                mask = offs < V  # the last chunk is partial when V is not a multiple of BLOCK_V
+                # Masked lanes read -inf so they count as exp(-inf) = 0. evict_last: keep the row in L2 for pass 2.
+                x = tl.load(logits_row + offs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
+                x = x.to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                # Rescale the old sum to the new max BEFORE adding this chunk (exp(m - m_new) <= 1; it is
+                # exp(-inf) = 0 on the first chunk). Every exponent is <= 0, so nothing overflows.
+                d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                m = m_new
+                if HAS_SMOOTHING:
+                    sum_x_lanes += tl.where(mask, x, 0.0)
+            lse = m + tl.log(d)
+
+            if HAS_SMOOTHING:
+                sum_x = tl.sum(sum_x_lanes, axis=0)
+                loss = lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
+            else:
+                loss = lse - x_target
+            tl.store(losses_ptr + row, tl.where(target_ok, loss, float("nan")))
+
+            # ---- pass 2: gradient --------------------------------------------------------------------------------
+            if COMPUTE_GRAD:
+                scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+                num_chunks = tl.cdiv(V, BLOCK_V)
+                for i in tl.range(0, num_chunks, num_stages=NUM_STAGES):
+                    # Reverse order: the chunks pass 1 read last are the most likely to still sit in L2.
+                    start = (num_chunks - 1 - i) * BLOCK_V
+                    offs = start + cols
+                    mask = offs < V
+                    # evict_first: this is the last use of the logits, let them leave L2 before anything else.
+                    x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                    softmax = tl.exp(x.to(tl.float32) - lse)
+                    if HAS_SMOOTHING:
+                        grad = softmax - tl.where(offs == target, 1.0 - label_smoothing, 0.0) - label_smoothing / V
+                    else:
+                        grad = softmax - tl.where(offs == target, 1.0, 0.0)
+                    grad = tl.where(target_ok, grad * scale, float("nan"))
+                    # In in-place mode grad_row == logits_row: this chunk has just been read, so overwriting it is
+                    # safe.
+                    tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_rows_kernel(
+    x_ptr,  # [rows, n_cols] tensor scaled in place (any row strides, unit column stride)
+    scale_ptr,  # fp32-convertible scale: one value (scale_stride = 0) or one per row
+    n_cols,
+    rows_per_batch,
+    stride_b, stride_t,
+    scale_stride,
+    BLOCK: tl.constexpr,
+):
+    # Backward of the fused losses: multiply the gradient computed in the forward pass by grad_output. The scale is
+    # read on the device, so there is no host sync; when it is exactly 1 (loss.backward() on a mean or sum loss, the
+    # usual case in training) the program only loads one number and exits.
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+    if scale != 1.0:
+        b = row // rows_per_batch
+        t = row - b * rows_per_batch
+        x_row = x_ptr + b * stride_b + t * stride_t
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(x_row + start + cols, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launchers: validate, pick BLOCK_V / num_warps, allocate, launch
+# ---------------------------------------------------------------------------------------------------------------------
+def _kernel_device_type():
+    """Where the Triton kernels run: CUDA when present, else the CPU interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pick_block_v(V, device_type):
+    """Vocabulary chunk per loop step.
+
+    GPU: min(16384, next_pow2(V)). Large chunks mean few loop iterations and few per-chunk reductions (one max and one
+    sum across the whole program per chunk); 16384 fp32 values over 32 warps is 16 registers per thread. V = 128256
+    gives 8 chunks, the last one partial. A starting point: sweep with `_cross_entropy_forward(block_v=...)`.
+    CPU interpreter: 256, because every chunk costs ~1 ms of Python there and tests want several chunks per row.
+    """
+    cap = 16384 if device_type == "cuda" else 256
+    return min(cap, triton.next_power_of_2(max(V, 1)))
+
+
+# Persistent programs per multiprocessor and pipeline depth of the chunk loops (see the kernel for why few programs).
+_PROGRAMS_PER_SM = 1
+_NUM_STAGES = 3
+
+
+def _pick_num_warps(block):
+    """One warp (32 threads) per 512 chunk elements, i.e. 16 fp32 values per thread, between 4 and 32 warps."""
+    return min(32, max(4, block // 512))
+
+
+def _check_device(name, tensor, device):
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but the logits are on {device}; put them on the same device")
+
+
+def _check_targets_dtype(targets):
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must hold integer class indices, got dtype {targets.dtype}")
+
+
+def _check_common_args(reduction, label_smoothing):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+
+
+def _check_target_range(targets, V, ignore_index):
+    """Debug mode (`check_targets=True`): one host sync to report the first target outside [0, V)."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+    if bad.any():
+        position = bad.reshape(-1).nonzero()[0, 0].item()
+        value = targets.reshape(-1)[position].item()
+        raise ValueError(
+            f"target {value} at flat position {position} is outside [0, {V}) and is not ignore_index={ignore_index}"
+        )
+
+
+def _row_layout(x):
+    """(rows_per_batch, stride_b, stride_t) that map flat row i of a 2-D/3-D tensor to i//T*stride_b + i%T*stride_t."""
+    if x.dim() == 3:
+        return max(x.shape[1], 1), x.stride(0), x.stride(1)
+    return max(x.shape[0], 1), 0, x.stride(0)
+
+
+def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_stride, ignore_index, label_smoothing,
+                          block_v=None, num_warps=None, num_stages=None, programs_per_sm=None):
+    """Launch the kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
+    losses [N] fp32, grad (same shape as logits, or None for loss only), scale fp32 device tensor.
+    The keyword overrides are for tuning sweeps."""
+    V = logits.shape[-1]
+    n_rows = targets_flat.numel()
+    if n_rows == 0:
+        return
+    block_v = block_v or _pick_block_v(V, logits.device.type)
+    num_warps = num_warps or _pick_num_warps(block_v)
+    if logits.device.type == "cuda":
+        sm_count = torch.cuda.get_device_properties(logits.device).multi_processor_count
+        n_programs = min(n_rows, (programs_per_sm or _PROGRAMS_PER_SM) * sm_count)
+    else:
+        n_programs = min(n_rows, 4)  # the interpreter runs programs one after another anyway
+    rows_per_batch, stride_b, stride_t = _row_layout(logits)
+    compute_grad = grad is not None
+    grad_rows_per_batch, grad_stride_b, grad_stride_t = _row_layout(grad) if compute_grad else (rows_per_batch, 0, 0)
+    assert grad_rows_per_batch == rows_per_batch
+    _cross_entropy_kernel[(n_programs,)](
+        logits, grad if compute_grad else logits, targets_flat, losses, scale,
+        n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
+        targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing),
+        BLOCK_V=block_v, NUM_STAGES=num_stages or _NUM_STAGES, HAS_SMOOTHING=label_smoothing > 0.0,
+        COMPUTE_GRAD=compute_grad, num_warps=num_warps,
+    )
+
+
+def _scale_rows_(x, scale):
+    """x[i, :] *= scale (0-dim) or scale[i] (one per row), in place, on the device; x is 2-D or 3-D (rows = all but
+    the last dim, unit last stride). Rows whose scale is exactly 1 cost one load."""
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
+        return x
+    scale = scale.reshape(-1)  # a view when possible: an expanded grad_output keeps stride 0, no copy
+    scale_stride = 0 if scale.numel() == 1 else scale.stride(0)
+    rows_per_batch, stride_b, stride_t = _row_layout(x)
+    block = min(4096 if x.device.type == "cuda" else 256, triton.next_power_of_2(n_cols))
+    _scale_rows_kernel[(n_rows,)](x, scale, n_cols, rows_per_batch, stride_b, stride_t, scale_stride,
+                                  BLOCK=block, num_warps=_pick_num_warps(block))
+    return x
+
+
+def _mean_scale(targets, ignore_index):
+    """1 / (number of non-ignored targets) as a 0-dim fp32 device tensor (inf when every row is ignored: no row is
+    then scaled, since ignored rows get zeros). Plus the count itself, for the mean of the losses."""
+    n_valid = (targets != ignore_index).sum()
+    return 1.0 / n_valid.to(torch.float32), n_valid
+
+
+def _reduce(losses, reduction, n_valid, targets_shape):
+    if reduction == "mean":
+        return losses.sum() / n_valid  # 0 / 0 = NaN when every row is ignored, as in PyTorch
+    if reduction == "sum":
+        return losses.sum()
+    return losses.view(targets_shape)
+
+
+def _validate_cross_entropy(logits, targets, reduction, label_smoothing):
+    if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise TypeError("logits and targets must be torch.Tensor")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must be [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be floating point, got dtype {logits.dtype}")
+    _check_targets_dtype(targets)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"targets must have shape {tuple(logits.shape[:-1])} (logits shape without the vocabulary dim), "
+            f"got {tuple(targets.shape)}"
+        )
+    _check_device("targets", targets, logits.device)
+    if logits.device.type != _kernel_device_type():
+        raise ValueError(f"logits are on {logits.device} but the Triton kernels run on {_kernel_device_type()}")
+    _check_common_args(reduction, label_smoothing)
+
+
+def _cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                           compute_grad=True, inplace_backward=False, check_targets=False, **launch_overrides):
+    """Internal API (benchmark sweeps call it directly): returns (loss, grad_logits or None), no autograd.
+
+    The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1.
+    `launch_overrides` (block_v, num_warps, num_stages, programs_per_sm) override the launch heuristics.
+    """
+    _validate_cross_entropy(logits, targets, reduction, label_smoothing)
+    if check_targets:
+        _check_target_range(targets, logits.shape[-1], ignore_index)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the kernel needs unit column stride; any row strides are fine
+    targets_flat = targets.reshape(-1)
+    if reduction == "mean":
+        scale, n_valid = _mean_scale(targets_flat, ignore_index)
+    else:
+        scale, n_valid = torch.ones((), dtype=torch.float32, device=logits.device), None
+    losses = torch.empty(targets_flat.numel(), dtype=torch.float32, device=logits.device)
+    grad = None
+    if compute_grad:
+        grad = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _launch_cross_entropy(logits, targets_flat, losses, grad, scale, 0, ignore_index, label_smoothing,
+                          **launch_overrides)
+    return _reduce(losses, reduction, n_valid, targets.shape), grad
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Autograd Function and module
+# ---------------------------------------------------------------------------------------------------------------------
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction, label_smoothing, inplace_backward, check_targets):
+        if inplace_backward:
+            # The kernel is about to overwrite the logits with their gradient. Bump their version counter so that if
+            # some other op saved these logits for its backward, autograd raises its usual "modified by an inplace
+            # operation" error instead of silently using the gradient as logits.
+            torch.autograd.graph.increment_version(logits)
+        loss, grad = _cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing,
+                                            compute_grad=True, inplace_backward=inplace_backward,
+                                            check_targets=check_targets)
+        # Kept on ctx (not save_for_backward): in in-place mode it IS the logits, whose version we just bumped.
+        # detach() gives a new tensor object over the same memory; once backward drops ctx's reference, autograd
+        # holds the only one and can hand the buffer on as the gradient instead of copying it.
+        ctx.grad_logits = grad.detach()
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = ctx.grad_logits
+        if grad is None:
+            raise RuntimeError("the fused cross-entropy backward scales its stored gradient in place and can run once; "
+                               "recompute the loss instead of using retain_graph=True")
+        ctx.grad_logits = None
+        # grad_output is 0-dim ("mean"/"sum") or one value per row ("none"); 1.0 makes the kernel a no-op.
+        _scale_rows_(grad, grad_output)
+        return grad, None, None, None, None, None, None
+
+
+def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False,
+                  check_targets=False):
+    """`F.cross_entropy(logits, targets, ...)` for class-index targets, fused; returns the loss in fp32.
+
+    logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T] of any integer dtype.
+    reduction "mean" (over non-ignored rows; NaN if all are ignored, like PyTorch), "sum" or "none" (per-row losses in
+    the targets' shape, 0 for ignored rows). Ignored rows get an exactly zero gradient.
+
+    inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
+    buffer). Contract: after this call the logits tensor holds the gradient, so it must not be used again (fine for
+    lm_head's output: a matmul's backward needs its inputs, not its output; if another op saved the logits for its
+    backward, autograd raises). Otherwise one gradient buffer of the logits' size is allocated.
+
+    Targets outside [0, V) other than ignore_index are never used as addresses; their rows' loss and gradient are NaN.
+    check_targets=True validates them on the host first and raises ValueError (a device sync: a debug mode).
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropyFunction.apply(logits, targets, ignore_index, reduction, label_smoothing, inplace_backward,
+                                           check_targets)
+    loss, _ = _cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing, compute_grad=False,
+                                     check_targets=check_targets)
+    return loss
+
+
+class TritonCrossEntropyLoss(torch.nn.Module):
+    """Drop-in for `nn.CrossEntropyLoss` (class-index targets, no class weights) backed by `cross_entropy`."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False,
+                 check_targets=False):
+        super().__init__()
+        _check_common_args(reduction, label_smoothing)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.inplace_backward = inplace_backward
+        self.check_targets = check_targets
+
+    def forward(self, logits, targets):
+        return cross_entropy(logits, targets, self.ignore_index, self.reduction, self.label_smoothing,
+                             self.inplace_backward, self.check_targets)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, inplace_backward={self.inplace_backward}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Linear cross-entropy: loss(hidden @ weight.T + bias, targets) without the [N, V] logits
+# ---------------------------------------------------------------------------------------------------------------------
+# The lm_head matmul turns hidden [N, H] into logits [N, V]; at N = 16384, V = 128256 those are 4.2 GB in bf16, plus
+# the same again for their gradient. We instead walk the tokens in chunks of C rows; per chunk:
+#
+#     logits_c  = h_c @ W.T (+ b)                  cuBLAS (torch.mm/addmm), C x V values, the only big buffer
+#     logits_c <- dlogits_c                        the fused kernel above, IN PLACE, already scaled by 1/n_valid
+#     dh[c]     = dlogits_c @ W                    written straight into the preallocated dh (mm out=)
+#     dW       += dlogits_c.T @ h_c                addmm into dW in place (the first chunk writes it: no zero-fill)
+#     db       += sum over rows of dlogits_c       fp32 accumulator
+#
+# so the whole loss AND all gradients are computed in the forward (Liger's approach); the backward only multiplies
+# dh/dW/db by grad_output with the device-side scale kernel, a no-op when it is 1. The FLOPs are those of eager
+# (three matmuls); the extra memory is one chunk of logits plus the gradients themselves.
+#
+# reduction="none" is different: the gradient of each row's loss is weighted by its own grad_output, which dW mixes
+# across rows, so it cannot be applied afterwards. Then the forward computes only the losses and the backward redoes
+# the chunks with the per-row grad_output as the kernel's scale (one extra logits matmul).
+#
+# dW precision: dW is kept in the weight's dtype. Each chunk's product is accumulated in fp32 inside cuBLAS and
+# rounded once when added to dW, so a bf16 dW sees one rounding per chunk (N / C roundings in total) instead of the
+# single rounding of eager's one big matmul; the tests measure the effect against eager's own error.
+#
+# Chunk size: LCE_CHUNK_BUDGET_BYTES of chunk logits. 128 MiB = 512 rows at V = 128256 in bf16: big enough that every
+# matmul keeps the GPU busy (512 x 4096 x 128256 is 0.27 TFLOP), small next to the unavoidable dW (1 GiB in bf16 for
+# LLaMA-3-8B's lm_head), so the peak above the inputs is about dW + dh + one chunk.
+LCE_CHUNK_BUDGET_BYTES = 128 * 2**20
+
+
+def _lce_chunk_rows(n_rows, V, itemsize, chunk_size):
+    if chunk_size is not None:
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        return max(1, min(chunk_size, n_rows))
+    rows = LCE_CHUNK_BUDGET_BYTES // (V * itemsize)
+    rows = max(64, rows // 64 * 64)  # a multiple of 64 keeps the matmul tiles full
+    return max(1, min(rows, n_rows))
+
+
+def _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, label_smoothing):
+    for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}")
+    if not hidden.dtype.is_floating_point:
+        raise TypeError(f"hidden must be floating point, got dtype {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
+    _check_targets_dtype(targets)
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+    for name, tensor in (("weight", weight), ("targets", targets), ("bias", bias)):
+        if tensor is not None and tensor.device != hidden.device:
+            raise ValueError(f"{name} is on {tensor.device} but hidden is on {hidden.device}")
+    if hidden.device.type != _kernel_device_type():
+        raise ValueError(f"hidden is on {hidden.device} but the Triton kernels run on {_kernel_device_type()}")
+    _check_common_args(reduction, label_smoothing)
+
+
+def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, scale_stride, want_dh, want_dw,
+                                 want_db, chunk_rows, ignore_index, label_smoothing, **launch_overrides):
+    """The chunk loop. Fills losses [N] and returns (dh, dW, db) (None where not wanted), scaled by `scale`."""
+    n_rows, V = h.shape[0], weight.shape[0]
+    compute_grad = want_dh or want_dw or want_db
+    dh = torch.empty_like(h) if want_dh else None
+    # dW is written by the first chunk's matmul, so it starts uninitialized (unless there is no chunk at all).
+    dw = (torch.empty_like(weight) if n_rows else torch.zeros_like(weight)) if want_dw else None
+    db = torch.zeros(V, dtype=torch.float32, device=h.device) if want_db else None
+    # One chunk buffer reused by every chunk: allocating a fresh one per chunk would briefly hold two (the new
+    # product is allocated before the old name is rebound), one chunk more at the peak.
+    logits_buffer = torch.empty((min(chunk_rows, n_rows), V), dtype=h.dtype, device=h.device)
+    for start in range(0, n_rows, chunk_rows):
+        end = min(start + chunk_rows, n_rows)
+        h_c = h[start:end]
+        logits_c = logits_buffer[:end - start]
+        if bias is not None:
+            torch.addmm(bias, h_c, weight.t(), out=logits_c)
+        else:
+            torch.mm(h_c, weight.t(), out=logits_c)
+        chunk_scale = scale[start:end] if scale_stride else scale
+        _launch_cross_entropy(logits_c, targets_flat[start:end], losses[start:end],
+                              logits_c if compute_grad else None, chunk_scale, scale_stride, ignore_index,
+                              label_smoothing, **launch_overrides)
+        if not compute_grad:
+            continue
+        dlogits_c = logits_c  # the kernel overwrote the chunk's logits with their gradient
+        if want_dh:
+            torch.mm(dlogits_c, weight, out=dh[start:end])
+        if want_dw:
+            if start == 0:
+                torch.mm(dlogits_c.t(), h_c, out=dw)
+            else:
+                dw.addmm_(dlogits_c.t(), h_c)
+        if want_db:
+            db += dlogits_c.sum(dim=0, dtype=torch.float32)
+    return dh, dw, None if db is None else db.to(weight.dtype)
+
+
+def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V):
+    if check_targets:
+        _check_target_range(targets, V, ignore_index)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    targets_flat = targets.reshape(-1)
+    if reduction == "mean":
+        scale, n_valid = _mean_scale(targets_flat, ignore_index)
+    else:
+        scale, n_valid = torch.ones((), dtype=torch.float32, device=hidden.device), None
+    return h, targets_flat, scale, n_valid
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size,
+                check_targets, want_dh, want_dw, want_db):
+        V = weight.shape[0]
+        h, targets_flat, scale, n_valid = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V)
+        chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
+        losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        ctx.hidden_shape = hidden.shape
+        ctx.args = (ignore_index, label_smoothing, chunk_rows)
+        ctx.reduction = reduction
+        if reduction == "none":
+            # Gradients need the per-row grad_output: only the losses now, the chunks are recomputed in backward.
+            _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, 0, False, False, False,
+                                         chunk_rows, ignore_index, label_smoothing)
+            ctx.save_for_backward(h, weight, bias, targets_flat)
+            ctx.wants = (want_dh, want_dw, want_db)
+        else:
+            ctx.grads = _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, 0, want_dh, want_dw,
+                                                     want_db, chunk_rows, ignore_index, label_smoothing)
+        return _reduce(losses, reduction, n_valid, targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.reduction == "none":
+            h, weight, bias, targets_flat = ctx.saved_tensors
+            ignore_index, label_smoothing, chunk_rows = ctx.args
+            scale = grad_output.reshape(-1)  # an expanded grad_output (loss.sum().backward()) keeps stride 0: fine
+            scratch_losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+            dh, dw, db = _linear_cross_entropy_chunks(h, weight, bias, targets_flat, scratch_losses, scale,
+                                                      scale.stride(0), *ctx.wants, chunk_rows, ignore_index,
+                                                      label_smoothing)
+        else:
+            if ctx.grads is None:
+                raise RuntimeError("the fused linear cross-entropy backward scales its stored gradients in place and "
+                                   "can run once; recompute the loss instead of using retain_graph=True")
+            dh, dw, db = ctx.grads
+            ctx.grads = None
+            for grad in (dh, dw, db):
+                if grad is not None:
+                    _scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() == 1 else grad, grad_output)
+        if dh is not None:
+            dh = dh.view(ctx.hidden_shape)
+        return dh, dw, db, None, None, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         chunk_size=None, check_targets=False):
+    """`F.cross_entropy(F.linear(hidden, weight, bias), targets, ...)` without materializing the [N, V] logits.
+
+    hidden [N, H] or [B, T, H]; weight [V, H] (lm_head.weight as stored); bias [V] or None; targets [N] or [B, T].
+    Same semantics, errors and fp32 loss as `cross_entropy`. Gradients flow to hidden, weight and bias as far as they
+    require grad (a frozen weight, as in LoRA, costs no dW matmul). chunk_size = rows per chunk; by default
+    LCE_CHUNK_BUDGET_BYTES of chunk logits (a multiple of 64 rows). For mean/sum the gradients are computed in this
+    call (its backward only scales them); for "none" the backward recomputes the chunks.
+    """
+    _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, label_smoothing)
+    grad_enabled = torch.is_grad_enabled()
+    want_dh = grad_enabled and hidden.requires_grad
+    want_dw = grad_enabled and weight.requires_grad
+    want_db = grad_enabled and bias is not None and bias.requires_grad
+    if want_dh or want_dw or want_db:
+        return _LinearCrossEntropyFunction.apply(hidden, weight, bias, targets, ignore_index, reduction,
+                                                 label_smoothing, chunk_size, check_targets, want_dh, want_dw, want_db)
+    V = weight.shape[0]
+    h, targets_flat, scale, n_valid = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V)
+    losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
+    _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, 0, False, False, False, chunk_rows,
+                                 ignore_index, label_smoothing)
+    return _reduce(losses, reduction, n_valid, targets.shape)
+
+
+class TritonLinearCrossEntropyLoss(torch.nn.Module):
+    """Loss module taking (hidden, weight, targets[, bias]); use it with lm_head.weight instead of calling lm_head."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk_size=None, check_targets=False):
+        super().__init__()
+        _check_common_args(reduction, label_smoothing)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.chunk_size = chunk_size
+        self.check_targets = check_targets
+
+    def forward(self, hidden, weight, targets, bias=None):
+        return linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index, self.reduction,
+                                    self.label_smoothing, self.chunk_size, self.check_targets)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, chunk_size={self.chunk_size}")

@@ -1,0 +1,672 @@
+"""Correctness tests for cross_entropy_kernel.py: the fused cross-entropy and the fused linear cross-entropy.
+
+Run with pytest (`pytest cross_entropy_test.py -q`) or as a script (`python cross_entropy_test.py`) for a
+PASSED/FAILED report; both run the same check functions over the same cases.
+
+Reference: PyTorch in float64 on the SAME rounded inputs (the bf16 logits, converted up exactly). Pass rule: our error
+against that reference is no worse than PyTorch's own error in the same dtype (measured in the same check) times
+ERROR_FACTOR, or below a small per-dtype floor. Gradients are compared on the whole tensor with a relative norm error
+||ours - ref|| / ||ref||, so a zero or a wrong-sign gradient (error >= 1) cannot pass; ignored rows must be exactly 0.
+On the CPU the kernels run on Triton's interpreter, so the shapes are toys; the GPU-only checks (int64 offsets past
+2^31 elements, peak memory, LLaMA-3 sizes) are skipped there.
+"""
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cross_entropy_kernel as ck
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Our gradient error may be at most ERROR_FACTOR x PyTorch's same-dtype error, or under the dtype's floor. The floors
+# sit far below the error of any wrong gradient (~1) and at about 2 ulps of the dtype: the interpreter TRUNCATES
+# fp32 -> bf16/fp16 casts (the GPU rounds), which doubles the storage error on the CPU.
+ERROR_FACTOR = 3.0
+GRAD_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+LOSS_FP32_TOL = 1e-5  # the loss is computed and returned in fp32 whatever the logits dtype
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)  # reproducible failures; every check still draws its own fresh inputs
+
+
+def rel_err(x, ref):
+    """||x - ref|| / ||ref|| in float64 over the whole tensor (ref must not be all zeros)."""
+    ref = ref.double()
+    norm = ref.norm()
+    assert norm > 0, "reference is all zeros: relative error undefined"
+    return ((x.double() - ref).norm() / norm).item()
+
+
+def assert_no_worse(name, ours, torch_err, floor):
+    limit = max(ERROR_FACTOR * torch_err, floor)
+    assert ours <= limit, f"{name}: error {ours:.3e} > limit {limit:.3e} (torch same dtype {torch_err:.3e})"
+
+
+def make_targets(shape, V, ignore_frac, ignore_index=-100, dtype=torch.int64):
+    """Random classes with round(ignore_frac * n) positions set to ignore_index (exactly, so 20 % is never 0 rows)."""
+    n = 1
+    for size in shape:
+        n *= size
+    targets = torch.randint(0, V, (n,))
+    n_ignored = round(ignore_frac * n)
+    targets[torch.randperm(n)[:n_ignored]] = ignore_index
+    return targets.view(shape).to(dtype)
+
+
+def with_layout(values, layout):
+    """A fresh tensor equal to `values` ([N, V] or [B, T, V]) but with the memory layout named by `layout`."""
+    if layout == "contiguous":
+        return values.clone()
+    if layout == "sliced":  # logits[:, :-1, :] of a causal LM: row stride (T+1)*V, no copy
+        B, T, V = values.shape
+        base = torch.randn(B, T + 1, V, dtype=values.dtype, device=values.device)
+        base[:, :-1, :] = values
+        return base[:, :-1, :]
+    if layout == "transposed":  # [T, B, V] storage seen as [B, T, V]: stride_b = V, stride_t = B*V
+        return values.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "strided_rows":  # every other row of a [2N, V] buffer
+        N, V = values.shape
+        base = torch.randn(2 * N, V, dtype=values.dtype, device=values.device)
+        base[::2] = values
+        return base[::2]
+    if layout == "column_strided":  # last-dim stride != 1: the launcher must make it contiguous
+        return values.t().contiguous().t()
+    raise ValueError(layout)
+
+
+def reference_cross_entropy(logits, targets, grad_output, **kwargs):
+    """F.cross_entropy on [N, V] views (class dim last), returning (loss, grad of logits)."""
+    x = logits.detach().clone().requires_grad_()
+    V = x.shape[-1]
+    loss = F.cross_entropy(x.reshape(-1, V), targets.reshape(-1).long(), **kwargs)
+    if kwargs.get("reduction") == "none":
+        loss = loss.view(targets.shape)
+    loss.backward(grad_output.to(loss.dtype))
+    return loss.detach(), x.grad
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fused cross-entropy against float64 PyTorch
+# ---------------------------------------------------------------------------------------------------------------------
+def case(**kwargs):
+    return kwargs
+
+
+CE_CASES = [
+    # every dtype x every reduction, 20 % ignored rows, V = 1000 = 3 full CPU chunks + a partial one
+    *[case(dtype=d, shape=(16, 1000), reduction=r, ignore_frac=0.2) for d in DTYPES for r in ("mean", "sum", "none")],
+    # ignore fractions 0 and 100 % (mean over zero rows is NaN in PyTorch, its gradient zero)
+    case(dtype="bf16", shape=(12, 700), reduction="mean", ignore_frac=0.0),
+    *[case(dtype="fp32", shape=(8, 300), reduction=r, ignore_frac=1.0) for r in ("mean", "sum", "none")],
+    # label smoothing, including on ignored rows
+    *[case(dtype=d, shape=(12, 900), reduction=r, ignore_frac=0.25, label_smoothing=0.1)
+      for d, r in (("fp32", "mean"), ("bf16", "mean"), ("bf16", "sum"), ("fp32", "none"))],
+    case(dtype="fp32", shape=(8, 500), reduction="mean", ignore_frac=0.2, label_smoothing=1.0),
+    # logits of magnitude 1e4 in fp32: exp would overflow without the running max
+    case(dtype="fp32", shape=(12, 1000), reduction="mean", ignore_frac=0.2, magnitude=1e4),
+    # odd vocabularies relative to the CPU block of 256: one partial chunk, one full + 1 column, 16 + 1 chunks
+    case(dtype="bf16", shape=(6, 100), reduction="mean", ignore_frac=0.2),
+    case(dtype="fp32", shape=(6, 257), reduction="sum", ignore_frac=0.2),
+    case(dtype="bf16", shape=(4, 4097), reduction="mean", ignore_frac=0.25),
+    # 3-D logits and non-contiguous layouts (targets non-contiguous too)
+    case(dtype="bf16", shape=(2, 7, 500), reduction="mean", ignore_frac=0.2),
+    case(dtype="bf16", shape=(3, 5, 700), reduction="mean", ignore_frac=0.2, layout="sliced"),
+    case(dtype="fp32", shape=(2, 6, 600), reduction="none", ignore_frac=0.2, layout="transposed",
+         transposed_targets=True),
+    case(dtype="fp16", shape=(10, 600), reduction="sum", ignore_frac=0.2, layout="strided_rows"),
+    case(dtype="fp32", shape=(8, 300), reduction="mean", ignore_frac=0.2, layout="column_strided"),
+    # upstream gradient != 1 (a scaled loss), int32 targets, a different ignore_index that is a valid class
+    case(dtype="bf16", shape=(12, 800), reduction="mean", ignore_frac=0.2, upstream=3.5),
+    case(dtype="fp32", shape=(12, 800), reduction="sum", ignore_frac=0.2, upstream=-0.25, targets_dtype=torch.int32),
+    case(dtype="fp32", shape=(12, 400), reduction="mean", ignore_frac=0.2, ignore_index=0),
+    # the module, in-place mode, and explicit block sizes through the internal launcher
+    case(dtype="bf16", shape=(12, 600), reduction="mean", ignore_frac=0.2, use_module=True),
+    case(dtype="bf16", shape=(2, 6, 600), reduction="none", ignore_frac=0.2, inplace=True, layout="sliced"),
+    case(dtype="fp32", shape=(10, 500), reduction="mean", ignore_frac=0.2, inplace=True),  # the leaf itself
+    case(dtype="bf16", shape=(3, 4, 500), reduction="none", ignore_frac=0.2, upstream="expanded"),  # loss.sum()
+    case(dtype="fp32", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=64),
+    case(dtype="fp32", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=1024),
+]
+
+
+def case_id(c):
+    keys = [f"{c['dtype']}", "x".join(map(str, c["shape"])), c["reduction"], f"ign{c['ignore_frac']}"]
+    keys += [f"{k}={v}" for k, v in c.items() if k not in ("dtype", "shape", "reduction", "ignore_frac")]
+    return "-".join(str(k) for k in keys).replace("torch.", "")
+
+
+def check_cross_entropy(dtype, shape, reduction, ignore_frac, label_smoothing=0.0, magnitude=3.0, layout="contiguous",
+                        upstream=1.0, targets_dtype=torch.int64, ignore_index=-100, use_module=False, inplace=False,
+                        block_v=None, transposed_targets=False):
+    dtype = DTYPES[dtype]
+    V = shape[-1]
+    values = (torch.randn(shape, device=DEVICE) * magnitude).to(dtype)
+    targets = make_targets(shape[:-1], V, ignore_frac, ignore_index, targets_dtype).to(DEVICE)
+    if transposed_targets:
+        targets = targets.t().contiguous().t()
+    kwargs = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    if reduction == "none" and upstream == "expanded":  # what loss.sum().backward() sends: stride 0, no copy
+        grad_output = torch.ones((), device=DEVICE).expand(shape[:-1])
+    elif reduction == "none":
+        grad_output = torch.randn(shape[:-1], device=DEVICE)  # an arbitrary upstream gradient per row
+    else:
+        grad_output = torch.tensor(upstream, device=DEVICE)
+
+    ref_loss, ref_grad = reference_cross_entropy(values.double(), targets, grad_output.double(), **kwargs)
+    torch_loss, torch_grad = reference_cross_entropy(values, targets, grad_output, **kwargs)
+
+    leaf = values.clone().requires_grad_()
+    logits = with_layout(leaf, layout)  # a differentiable view (or copy) of the leaf with the requested strides
+    if logits is not leaf:
+        logits.retain_grad()
+    if block_v is not None:  # the internal API: same result whatever the chunk size
+        loss, grad = ck._cross_entropy_forward(logits.detach(), targets, compute_grad=True, block_v=block_v, **kwargs)
+        grad = grad * upstream
+    else:
+        if use_module:
+            loss = ck.TritonCrossEntropyLoss(inplace_backward=inplace, **kwargs)(logits, targets)
+        else:
+            loss = ck.cross_entropy(logits, targets, inplace_backward=inplace, **kwargs)
+        loss.backward(grad_output)
+        grad = logits.grad
+    assert loss.dtype == torch.float32, f"loss dtype {loss.dtype}, expected float32"
+    assert loss.shape == ref_loss.shape, f"loss shape {tuple(loss.shape)} != {tuple(ref_loss.shape)}"
+    assert grad.dtype == dtype and grad.shape == values.shape, f"grad {grad.dtype} {tuple(grad.shape)}"
+
+    ignored = targets == ignore_index
+    assert torch.all(grad[ignored] == 0), "ignored rows must get an exactly zero gradient"
+    if reduction == "none":
+        assert torch.all(loss[ignored] == 0), "ignored rows must have loss 0"
+    if bool(ignored.all()):
+        # PyTorch: mean over zero rows is NaN, sum is 0; the gradient is zero everywhere.
+        if reduction == "mean":
+            assert torch.isnan(loss) and torch.isnan(ref_loss), f"mean over no rows: ours {loss}, torch {ref_loss}"
+        else:
+            assert torch.all(loss == 0) and torch.all(ref_loss == 0)
+        assert torch.all(ref_grad == 0)
+        return "all rows ignored: loss and gradient as PyTorch's"
+
+    loss_err = rel_err(loss, ref_loss)
+    assert loss_err <= LOSS_FP32_TOL, f"loss error {loss_err:.3e} > {LOSS_FP32_TOL:.0e} (torch {dtype}: " \
+                                      f"{rel_err(torch_loss, ref_loss):.3e})"
+    grad_err, torch_grad_err = rel_err(grad, ref_grad), rel_err(torch_grad, ref_grad)
+    assert_no_worse("grad", grad_err, torch_grad_err, GRAD_FLOOR[dtype])
+    return f"loss err {loss_err:.1e}, grad err {grad_err:.1e} (torch {torch_grad_err:.1e})"
+
+
+@pytest.mark.parametrize("params", CE_CASES, ids=[case_id(c) for c in CE_CASES])
+def test_cross_entropy_matches_float64(params):
+    check_cross_entropy(**params)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# In-place contract, no-grad path, out-of-range targets, bad inputs
+# ---------------------------------------------------------------------------------------------------------------------
+def check_inplace_contract():
+    """inplace_backward=True: the gradient lands in the logits' own storage (sliced [:, :-1, :] view of an lm_head
+    output), the untouched last position stays intact, and the gradient is right. Default mode keeps the logits."""
+    B, T, H, V = 2, 6, 16, 500
+    hidden = torch.randn(B, T + 1, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(V, H, device=DEVICE) / H**0.5).to(torch.bfloat16).requires_grad_()
+    full_logits = hidden @ weight.t()  # like lm_head: matmul backward needs hidden and weight, not these logits
+    logits = full_logits[:, :-1, :]
+    targets = make_targets((B, T), V, 0.2).to(DEVICE)
+    _, ref_grad = reference_cross_entropy(logits.double(), targets, torch.tensor(1.0, device=DEVICE))
+    _, torch_grad = reference_cross_entropy(logits, targets, torch.tensor(1.0, device=DEVICE))
+    last_position = full_logits[:, -1, :].detach().clone()
+    ref_hidden_grad = torch.zeros_like(hidden, dtype=torch.float64)
+    ref_hidden_grad[:, :-1] = ref_grad @ weight.double()
+
+    captured = []
+    logits.register_hook(captured.append)  # before the call: the in-place write bumps the view's version
+    loss = ck.cross_entropy(logits, targets, inplace_backward=True)
+    torch.autograd.grad(loss, hidden, retain_graph=True)
+    grad = captured[0]
+    assert grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride(), "gradient not in the logits buffer"
+    assert torch.equal(full_logits[:, -1, :], last_position), "in-place wrote outside the sliced view"
+    assert torch.equal(logits.detach(), grad), "contract: the logits now hold their gradient"
+    grad_err = rel_err(grad, ref_grad)
+    assert_no_worse("in-place grad", grad_err, rel_err(torch_grad, ref_grad), GRAD_FLOOR[torch.bfloat16])
+    with pytest.raises(RuntimeError, match="can run once"):  # its backward scales in place: it refuses a rerun
+        torch.autograd.grad(loss, hidden)
+
+    # The full chain still works (matmul backward through the in-place gradient), as well as eager bf16.
+    hidden.grad = None
+    F.cross_entropy((hidden @ weight.t())[:, :-1, :].transpose(1, 2), targets).backward()
+    eager_hidden_grad, hidden.grad = hidden.grad, None
+    ck.cross_entropy((hidden @ weight.t())[:, :-1, :], targets, inplace_backward=True).backward()
+    assert_no_worse("hidden grad through lm_head", rel_err(hidden.grad, ref_hidden_grad),
+                    rel_err(eager_hidden_grad, ref_hidden_grad), GRAD_FLOOR[torch.bfloat16])
+
+    # Default mode: logits untouched, gradient in a separate buffer.
+    logits = torch.randn(8, 300, device=DEVICE, requires_grad=True)
+    before = logits.detach().clone()
+    (grad,) = torch.autograd.grad(ck.cross_entropy(logits, make_targets((8,), 300, 0.2).to(DEVICE)), logits)
+    assert torch.equal(logits.detach(), before) and grad.data_ptr() != logits.data_ptr()
+
+    # If another op saved the logits for its backward, in-place mode makes autograd complain instead of corrupting it.
+    source = torch.randn(8, 300, device=DEVICE, requires_grad=True)
+    saved_by_exp = source.exp()  # exp's backward reuses its output
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ck.cross_entropy(saved_by_exp, make_targets((8,), 300, 0.0).to(DEVICE), inplace_backward=True).backward()
+    return f"gradient written into the logits storage, grad err {grad_err:.1e}"
+
+
+def check_no_grad_path():
+    """Without grad (no_grad or logits not requiring it): loss only, logits untouched even with inplace_backward."""
+    logits = torch.randn(10, 700, device=DEVICE).to(torch.bfloat16)
+    targets = make_targets((10,), 700, 0.2).to(DEVICE)
+    before = logits.clone()
+    ref_loss, _ = reference_cross_entropy(logits.double(), targets, torch.tensor(1.0, device=DEVICE))
+    loss = ck.cross_entropy(logits, targets, inplace_backward=True)
+    assert torch.equal(logits, before)
+    with torch.no_grad():
+        loss_no_grad = ck.cross_entropy(logits.clone().requires_grad_(), targets, inplace_backward=True)
+    assert not loss.requires_grad and not loss_no_grad.requires_grad
+    for value in (loss, loss_no_grad):
+        assert rel_err(value, ref_loss) <= LOSS_FP32_TOL
+    return "loss only, logits untouched"
+
+
+def check_out_of_range_targets():
+    """Targets outside [0, V) that are not ignore_index: no out-of-bounds access, NaN loss and gradient on those rows
+    only (others exact), and check_targets=True raises a ValueError naming the value."""
+    N, V = 8, 300
+    logits = torch.randn(N, V, device=DEVICE, requires_grad=True)
+    targets = make_targets((N,), V, 0.0).to(DEVICE)
+    targets[2], targets[5], targets[6] = V, -7, -100
+    loss = ck.cross_entropy(logits, targets, reduction="none")
+    loss.backward(torch.ones_like(loss))
+    bad = torch.zeros(N, dtype=torch.bool, device=DEVICE)
+    bad[[2, 5]] = True
+    assert torch.all(torch.isnan(loss[bad])) and torch.all(torch.isnan(logits.grad[bad])), "bad rows must be NaN"
+    assert torch.all(torch.isfinite(loss[~bad])) and torch.all(torch.isfinite(logits.grad[~bad]))
+    good = ~bad
+    ref_loss, ref_grad = reference_cross_entropy(logits[good].double(), targets[good],
+                                                 torch.ones(int(good.sum()), device=DEVICE), reduction="none")
+    assert rel_err(loss[good], ref_loss) <= LOSS_FP32_TOL
+    assert rel_err(logits.grad[good], ref_grad) <= GRAD_FLOOR[torch.float32]
+    assert torch.isnan(ck.cross_entropy(logits.detach(), targets)), "a NaN row must make the mean NaN"
+    with pytest.raises(ValueError, match=f"target {V} "):
+        ck.cross_entropy(logits, targets, check_targets=True)
+    with pytest.raises(ValueError, match="target -7 "):
+        ck.TritonCrossEntropyLoss(check_targets=True)(logits, torch.where(targets == V, 0, targets))
+    hidden = torch.randn(N, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=f"target {V} "):
+        ck.linear_cross_entropy(hidden, torch.randn(V, 16, device=DEVICE), targets, check_targets=True)
+    ck.cross_entropy(logits, torch.where(bad, 0, targets), check_targets=True)  # valid targets pass the check
+    return "NaN on bad rows only; check_targets raises"
+
+
+def _bad_input_cases():
+    x = torch.randn(4, 50, device=DEVICE)
+    t = torch.randint(0, 50, (4,), device=DEVICE)
+    h = torch.randn(4, 8, device=DEVICE)
+    w = torch.randn(50, 8, device=DEVICE)
+    return [
+        ("1-D logits", ValueError, lambda: ck.cross_entropy(x[0], t[0])),
+        ("4-D logits", ValueError, lambda: ck.cross_entropy(x.view(1, 1, 4, 50), t.view(1, 1, 4))),
+        ("integer logits", TypeError, lambda: ck.cross_entropy(x.long(), t)),
+        ("float targets", TypeError, lambda: ck.cross_entropy(x, t.float())),
+        ("bool targets", TypeError, lambda: ck.cross_entropy(x, t > 3)),
+        ("targets wrong shape", ValueError, lambda: ck.cross_entropy(x, t[:3])),
+        ("targets [B, T] for [N, V]", ValueError, lambda: ck.cross_entropy(x, t.view(2, 2))),
+        ("targets on another device", ValueError, lambda: ck.cross_entropy(x, t.to("meta"))),
+        ("logits off the kernel device", ValueError, lambda: ck.cross_entropy(x.to("meta"), t.to("meta"))),
+        ("unknown reduction", ValueError, lambda: ck.cross_entropy(x, t, reduction="avg")),
+        ("label_smoothing > 1", ValueError, lambda: ck.cross_entropy(x, t, label_smoothing=1.5)),
+        ("label_smoothing < 0", ValueError, lambda: ck.cross_entropy(x, t, label_smoothing=-0.1)),
+        ("module: unknown reduction", ValueError, lambda: ck.TritonCrossEntropyLoss(reduction="batchmean")),
+        ("linear: 1-D hidden", ValueError, lambda: ck.linear_cross_entropy(h[0], w, t[0])),
+        ("linear: weight H mismatch", ValueError, lambda: ck.linear_cross_entropy(h, w[:, :7], t)),
+        ("linear: weight dtype", TypeError, lambda: ck.linear_cross_entropy(h, w.double(), t)),
+        ("linear: bias shape", ValueError, lambda: ck.linear_cross_entropy(h, w, t, bias=torch.randn(49, device=DEVICE))),
+        ("linear: float targets", TypeError, lambda: ck.linear_cross_entropy(h, w, t.float())),
+        ("linear: targets shape", ValueError, lambda: ck.linear_cross_entropy(h, w, t[:2])),
+        ("linear: weight device", ValueError, lambda: ck.linear_cross_entropy(h, w.to("meta"), t)),
+        ("linear: chunk_size 0", ValueError, lambda: ck.linear_cross_entropy(h, w, t, chunk_size=0)),
+        ("linear: unknown reduction", ValueError, lambda: ck.linear_cross_entropy(h, w, t, reduction="max")),
+        ("linear module: label_smoothing", ValueError, lambda: ck.TritonLinearCrossEntropyLoss(label_smoothing=2.0)),
+    ] + ([  # on a GPU machine the kernels run on CUDA: CPU tensors must be refused, not sent to a GPU kernel
+        ("CPU logits with CUDA kernels", ValueError, lambda: ck.cross_entropy(x.cpu(), t.cpu())),
+        ("CPU targets with CUDA logits", ValueError, lambda: ck.cross_entropy(x, t.cpu())),
+        ("linear: CPU inputs with CUDA kernels", ValueError, lambda: ck.linear_cross_entropy(h.cpu(), w.cpu(), t.cpu())),
+    ] if ON_GPU else [])
+
+
+def check_bad_inputs():
+    for name, error, call in _bad_input_cases():
+        with pytest.raises(error):
+            call()
+        try:
+            call()
+        except error as exc:
+            assert len(str(exc)) > 10, f"{name}: error message too terse: {exc}"
+    return f"{len(_bad_input_cases())} bad inputs raise clear errors"
+
+
+def test_inplace_contract():
+    check_inplace_contract()
+
+
+def test_no_grad_path():
+    check_no_grad_path()
+
+
+def test_out_of_range_targets():
+    check_out_of_range_targets()
+
+
+def test_bad_inputs():
+    check_bad_inputs()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fused linear cross-entropy against float64 F.linear + F.cross_entropy
+# ---------------------------------------------------------------------------------------------------------------------
+LCE_CASES = [
+    case(dtype="fp32", hidden_shape=(40, 24), V=300, reduction="mean", ignore_frac=0.2, bias=True, chunk_size=17),
+    case(dtype="bf16", hidden_shape=(40, 24), V=300, reduction="mean", ignore_frac=0.2, chunk_size=None),
+    case(dtype="bf16", hidden_shape=(40, 24), V=300, reduction="sum", ignore_frac=0.2, chunk_size=16, upstream=2.5),
+    case(dtype="fp32", hidden_shape=(30, 16), V=200, reduction="none", ignore_frac=0.2, bias=True, chunk_size=7),
+    case(dtype="bf16", hidden_shape=(30, 16), V=200, reduction="none", ignore_frac=0.2, chunk_size=12),
+    case(dtype="bf16", hidden_shape=(24, 16), V=300, reduction="mean", ignore_frac=0.0, chunk_size=10),
+    case(dtype="fp32", hidden_shape=(16, 16), V=100, reduction="mean", ignore_frac=1.0, bias=True, chunk_size=5),
+    case(dtype="bf16", hidden_shape=(32, 16), V=500, reduction="mean", ignore_frac=0.25, chunk_size=11,
+         label_smoothing=0.1),
+    case(dtype="bf16", hidden_shape=(32, 16), V=300, reduction="mean", ignore_frac=0.2, chunk_size=9,
+         weight_grad=False),
+    case(dtype="fp32", hidden_shape=(32, 16), V=300, reduction="sum", ignore_frac=0.2, chunk_size=9,
+         hidden_grad=False, bias=True),
+    case(dtype="bf16", hidden_shape=(2, 13, 24), V=300, reduction="mean", ignore_frac=0.2, chunk_size=10,
+         use_module=True),
+    case(dtype="fp16", hidden_shape=(2, 9, 16), V=260, reduction="none", ignore_frac=0.2, chunk_size=8),
+    case(dtype="fp32", hidden_shape=(3, 7, 16), V=200, reduction="none", ignore_frac=0.2, chunk_size=4,
+         upstream="expanded"),
+]
+
+
+def lce_case_id(c):
+    keys = [c["dtype"], "x".join(map(str, c["hidden_shape"])), f"V{c['V']}", c["reduction"], f"ign{c['ignore_frac']}"]
+    keys += [f"{k}={v}" for k, v in c.items() if k not in ("dtype", "hidden_shape", "V", "reduction", "ignore_frac")]
+    return "-".join(str(k) for k in keys)
+
+
+def _linear_ce(h, w, b, targets, grad_output, kwargs, ours=False, chunk_size=None, use_module=False):
+    """Loss and gradients (dh, dW, db; None where not required) of our fused op or of eager F.linear+F.cross_entropy."""
+    inputs = [x for x in (h, w, b) if x is not None and x.requires_grad]
+    if ours and use_module:
+        loss = ck.TritonLinearCrossEntropyLoss(chunk_size=chunk_size, **kwargs)(h, w, targets, b)
+    elif ours:
+        loss = ck.linear_cross_entropy(h, w, targets, b, chunk_size=chunk_size, **kwargs)
+    else:
+        logits = F.linear(h, w, b)
+        loss = F.cross_entropy(logits.reshape(-1, w.shape[0]), targets.reshape(-1).long(), **kwargs)
+        if kwargs["reduction"] == "none":
+            loss = loss.view(targets.shape)
+    grads = iter(torch.autograd.grad(loss, inputs, grad_output.to(loss.dtype)))
+    return loss.detach(), [next(grads) if x is not None and x.requires_grad else None for x in (h, w, b)]
+
+
+def check_linear_cross_entropy(dtype, hidden_shape, V, reduction, ignore_frac, bias=False, chunk_size=None,
+                               label_smoothing=0.0, weight_grad=True, hidden_grad=True, upstream=1.0,
+                               use_module=False):
+    dtype = DTYPES[dtype]
+    H = hidden_shape[-1]
+    hidden = torch.randn(hidden_shape, device=DEVICE).to(dtype)
+    weight = (torch.randn(V, H, device=DEVICE) * 2 / H**0.5).to(dtype)
+    bias_values = torch.randn(V, device=DEVICE).to(dtype) if bias else None
+    targets = make_targets(hidden_shape[:-1], V, ignore_frac).to(DEVICE)
+    kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)
+    if reduction == "none" and upstream == "expanded":
+        grad_output = torch.ones((), device=DEVICE).expand(hidden_shape[:-1])
+    elif reduction == "none":
+        grad_output = torch.randn(hidden_shape[:-1], device=DEVICE)
+    else:
+        grad_output = torch.tensor(upstream, device=DEVICE)
+
+    def leaves(target_dtype):
+        flags = (hidden_grad, weight_grad, True)
+        return [None if x is None else x.to(target_dtype).requires_grad_(flag)
+                for x, flag in zip((hidden, weight, bias_values), flags)]
+
+    ref_loss, ref_grads = _linear_ce(*leaves(torch.float64), targets, grad_output.double(), kwargs)
+    eager_loss, eager_grads = _linear_ce(*leaves(dtype), targets, grad_output, kwargs)
+    loss, grads = _linear_ce(*leaves(dtype), targets, grad_output, kwargs, ours=True, chunk_size=chunk_size,
+                             use_module=use_module)
+
+    assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape, f"loss {loss.dtype} {tuple(loss.shape)}"
+    for name, ours, ref in zip(("dh", "dW", "db"), grads, ref_grads):
+        assert (ours is None) == (ref is None), f"{name}: computed {ours is not None}, expected {ref is not None}"
+        if ours is not None:
+            assert ours.dtype == dtype and ours.shape == ref.shape, f"{name}: {ours.dtype} {tuple(ours.shape)}"
+    ignored = targets == -100
+    if grads[0] is not None:
+        assert torch.all(grads[0][ignored] == 0), "dh of ignored rows must be exactly zero"
+    if bool(ignored.all()):
+        if reduction == "mean":
+            assert torch.isnan(loss) and torch.isnan(ref_loss)
+        for ours in grads:
+            assert ours is None or torch.all(ours == 0), "all rows ignored: every gradient must be zero"
+        return "all rows ignored: NaN mean, zero gradients"
+
+    details = []
+    loss_err = rel_err(loss, ref_loss)
+    # The loss inherits the rounding of the dtype's logits (the matmul output), which eager shares: same rule.
+    assert_no_worse("loss", loss_err, rel_err(eager_loss, ref_loss), LOSS_FP32_TOL)
+    details.append(f"loss {loss_err:.1e}")
+    for name, ours, eager, ref in zip(("dh", "dW", "db"), grads, eager_grads, ref_grads):
+        if ours is not None:
+            err, eager_err = rel_err(ours, ref), rel_err(eager, ref)
+            assert_no_worse(name, err, eager_err, GRAD_FLOOR[dtype])
+            details.append(f"{name} {err:.1e} (eager {eager_err:.1e})")
+    return ", ".join(details)
+
+
+@pytest.mark.parametrize("params", LCE_CASES, ids=[lce_case_id(c) for c in LCE_CASES])
+def test_linear_cross_entropy_matches_float64(params):
+    check_linear_cross_entropy(**params)
+
+
+def check_linear_dw_accumulation():
+    """dW in bf16 is rounded once per chunk (16 chunks here); measure its error against eager's single rounding."""
+    N, H, V = 256, 32, 200
+    hidden = torch.randn(N, H, device=DEVICE).to(torch.bfloat16)
+    weight = (torch.randn(V, H, device=DEVICE) / H**0.5).to(torch.bfloat16)
+    targets = make_targets((N,), V, 0.1).to(DEVICE)
+    kwargs = dict(reduction="mean", label_smoothing=0.0)
+    one = torch.tensor(1.0, device=DEVICE)
+    _, (_, ref_dw, _) = _linear_ce(hidden.double().requires_grad_(), weight.double().requires_grad_(), None, targets,
+                                   one.double(), kwargs)
+    _, (_, eager_dw, _) = _linear_ce(hidden.clone().requires_grad_(), weight.clone().requires_grad_(), None, targets,
+                                     one, kwargs)
+    _, (_, dw, _) = _linear_ce(hidden.clone().requires_grad_(), weight.clone().requires_grad_(), None, targets, one,
+                               kwargs, ours=True, chunk_size=16)
+    err, eager_err = rel_err(dw, ref_dw), rel_err(eager_dw, ref_dw)
+    assert_no_worse("dW over 16 chunks", err, eager_err, GRAD_FLOOR[torch.bfloat16])
+    return f"bf16 dW over 16 chunks: err {err:.1e} vs eager {eager_err:.1e} ({err / eager_err:.2f}x)"
+
+
+def check_linear_chunk_rows():
+    """The default chunk comes from LCE_CHUNK_BUDGET_BYTES: a multiple of 64 rows, at least 64, at most N."""
+    budget = ck.LCE_CHUNK_BUDGET_BYTES
+    rows = ck._lce_chunk_rows(16384, 128256, 2, None)
+    assert rows % 64 == 0 and rows * 128256 * 2 <= budget and (rows + 64) * 128256 * 2 > budget, rows
+    assert ck._lce_chunk_rows(16384, 10**9, 2, None) == 64  # a huge vocabulary still gets 64 rows
+    assert ck._lce_chunk_rows(100, 1000, 4, None) == 100  # small inputs: one chunk
+    assert ck._lce_chunk_rows(100, 1000, 4, 33) == 33 and ck._lce_chunk_rows(10, 1000, 4, 33) == 10
+    return f"{rows} rows per chunk at V=128256 bf16 ({budget / 2**20:.0f} MiB budget)"
+
+
+def check_linear_no_grad_and_errors():
+    """No grad anywhere: loss only; the backward runs once (it scales stored gradients in place)."""
+    hidden = torch.randn(12, 16, device=DEVICE)
+    weight = torch.randn(100, 16, device=DEVICE)
+    targets = make_targets((12,), 100, 0.2).to(DEVICE)
+    ref = F.cross_entropy(F.linear(hidden.double(), weight.double()), targets)
+    loss = ck.linear_cross_entropy(hidden, weight, targets, chunk_size=5)
+    assert not loss.requires_grad and rel_err(loss, ref) <= LOSS_FP32_TOL
+    loss = ck.linear_cross_entropy(hidden.requires_grad_(), weight, targets, chunk_size=5)
+    torch.autograd.grad(loss, hidden, retain_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(loss, hidden)
+    return "loss-only path; second backward refused"
+
+
+def test_linear_dw_accumulation():
+    check_linear_dw_accumulation()
+
+
+def test_linear_chunk_rows():
+    check_linear_chunk_rows()
+
+
+def test_linear_no_grad_and_errors():
+    check_linear_no_grad_and_errors()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU only: int64 offsets, peak memory, LLaMA-3 sizes
+# ---------------------------------------------------------------------------------------------------------------------
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA (sizes too large for the CPU interpreter)")
+LLAMA_V, LLAMA_H = 128256, 4096
+
+
+def check_int64_offsets():
+    """16900 x 128256 bf16 logits = 2.17e9 elements > 2^31: the last 64 rows start past the int32 range. Compare them
+    (loss and per-row-scaled gradient) with float64 PyTorch; int32 offsets would read/write another row."""
+    N, V, tail = 16900, LLAMA_V, 64
+    assert (N - tail) * V > 2**31
+    logits = (torch.randn(N, V, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    targets = make_targets((N,), V, 0.2).cuda()
+    grad_output = torch.randn(N, device="cuda")
+    loss = ck.cross_entropy(logits, targets, reduction="none")
+    (grad,) = torch.autograd.grad(loss, logits, grad_output)
+    rows = slice(N - tail, N)
+    ref_loss, ref_grad = reference_cross_entropy(logits[rows].double(), targets[rows], grad_output[rows].double(),
+                                                 reduction="none")
+    _, torch_grad = reference_cross_entropy(logits[rows], targets[rows], grad_output[rows], reduction="none")
+    assert rel_err(loss[rows], ref_loss) <= LOSS_FP32_TOL
+    assert_no_worse("tail grad", rel_err(grad[rows], ref_grad), rel_err(torch_grad, ref_grad),
+                    GRAD_FLOOR[torch.bfloat16])
+    return f"rows {N - tail}..{N} (offsets > 2^31) correct"
+
+
+def _peak_above(fn):
+    """Peak CUDA memory allocated while running fn, above what was allocated before, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def check_peak_memory():
+    """Forward + backward at 16384 x 128256 bf16 (4 GB of logits): in-place +0, default one logits size, PyTorch's
+    fp32 path (what transformers does) several times that."""
+    N, V = 16384, LLAMA_V
+    logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    targets = make_targets((N,), V, 0.2).cuda()
+    logits_mib = logits.numel() * logits.element_size() / 2**20
+    peaks = {
+        "inplace": _peak_above(lambda: torch.autograd.grad(ck.cross_entropy(logits, targets, inplace_backward=True),
+                                                           logits)),
+        "default": _peak_above(lambda: torch.autograd.grad(ck.cross_entropy(logits, targets), logits)),
+        "torch_fp32": _peak_above(lambda: torch.autograd.grad(F.cross_entropy(logits.float(), targets), logits)),
+    }
+    assert peaks["inplace"] <= 8, peaks  # only the per-row losses (64 KB) and scalars
+    assert peaks["default"] <= logits_mib + 8, peaks
+    assert peaks["torch_fp32"] > peaks["default"], peaks
+    return ", ".join(f"{k} +{v:.0f} MiB" for k, v in peaks.items()) + f" (logits {logits_mib:.0f} MiB)"
+
+
+def check_llama_sizes():
+    """4096 x 128256 bf16 with ignored rows and label smoothing, against float64 and PyTorch bf16."""
+    details = []
+    for smoothing in (0.0, 0.1):
+        details.append(check_cross_entropy("bf16", (4096, LLAMA_V), "mean", 0.2, label_smoothing=smoothing))
+    details.append(check_cross_entropy("bf16", (2, 2048, LLAMA_V), "mean", 0.2, inplace=True, layout="sliced"))
+    return "; ".join(details)
+
+
+def check_linear_llama_sizes():
+    """Linear CE at H=4096, V=128256, bf16, 4096 tokens: loss/dh/dW no worse than eager (bf16 matmul + CE), and the
+    peak above inputs at 16384 tokens bounded by dW + dh + two chunks of logits."""
+    details = check_linear_cross_entropy("bf16", (4096, LLAMA_H), LLAMA_V, "mean", 0.2)
+    N = 16384
+    hidden = torch.randn(N, LLAMA_H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(LLAMA_V, LLAMA_H, device="cuda") / LLAMA_H**0.5).to(torch.bfloat16).requires_grad_()
+    targets = make_targets((N,), LLAMA_V, 0.2).cuda()
+    peak = _peak_above(lambda: torch.autograd.grad(ck.linear_cross_entropy(hidden, weight, targets), (hidden, weight)))
+    grads_mib = (hidden.numel() + weight.numel()) * 2 / 2**20
+    chunk_mib = ck._lce_chunk_rows(N, LLAMA_V, 2, None) * LLAMA_V * 2 / 2**20
+    assert peak <= grads_mib + 2 * chunk_mib + 64, f"peak +{peak:.0f} MiB, gradients {grads_mib:.0f} MiB"
+    return f"{details}; peak at 16384 tokens +{peak:.0f} MiB (dh + dW = {grads_mib:.0f} MiB)"
+
+
+@gpu_only
+def test_int64_offsets():
+    check_int64_offsets()
+
+
+@gpu_only
+def test_peak_memory():
+    check_peak_memory()
+
+
+@gpu_only
+def test_llama_sizes():
+    check_llama_sizes()
+
+
+@gpu_only
+def test_linear_llama_sizes():
+    check_linear_llama_sizes()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Script mode: the same checks, one PASSED/FAILED line each
+# ---------------------------------------------------------------------------------------------------------------------
+def all_checks():
+    checks = [(f"cross_entropy[{case_id(c)}]", check_cross_entropy, c, False) for c in CE_CASES]
+    checks += [(name, fn, {}, False) for name, fn in (
+        ("inplace_contract", check_inplace_contract), ("no_grad_path", check_no_grad_path),
+        ("out_of_range_targets", check_out_of_range_targets), ("bad_inputs", check_bad_inputs))]
+    checks += [(f"linear_cross_entropy[{lce_case_id(c)}]", check_linear_cross_entropy, c, False) for c in LCE_CASES]
+    checks += [(name, fn, {}, False) for name, fn in (
+        ("linear_dw_accumulation", check_linear_dw_accumulation), ("linear_chunk_rows", check_linear_chunk_rows),
+        ("linear_no_grad_and_errors", check_linear_no_grad_and_errors))]
+    checks += [(name, fn, {}, True) for name, fn in (
+        ("int64_offsets", check_int64_offsets), ("peak_memory", check_peak_memory),
+        ("llama_sizes", check_llama_sizes), ("linear_llama_sizes", check_linear_llama_sizes))]
+    return checks
+
+
+def main():
+    where = torch.cuda.get_device_name() if ON_GPU else "cpu (Triton interpreter)"
+    print(f"Fused cross-entropy tests on {where}, torch {torch.__version__}")
+    counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}
+    for name, fn, params, needs_gpu in all_checks():
+        torch.manual_seed(0)
+        if needs_gpu and not ON_GPU:
+            status, details = "SKIPPED", "needs CUDA"
+        else:
+            try:
+                status, details = "PASSED", fn(**params)
+            except Exception as exc:  # report every failure, keep going
+                status, details = "FAILED", f"{type(exc).__name__}: {exc}"
+        counts[status] += 1
+        print(f"{status:8s} {name}: {details}")
+    print(f"\n{counts['PASSED']} passed, {counts['FAILED']} failed, {counts['SKIPPED']} skipped")
+    return 1 if counts["FAILED"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
