@@ -740,15 +740,18 @@ def versions():
 
 
 def git_state():
+    """(short commit, dirty?) of the checkout; outside a git checkout (a copied tree on a GPU box), the GIT_COMMIT and
+    GIT_DIRTY environment variables say which commit the copy was taken from."""
     def git(*cmd):
         return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10)
     try:
         head = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain")
-        return (head.stdout.strip() if head.returncode == 0 else "uncommitted",
-                bool(dirty.stdout.strip()) if dirty.returncode == 0 else None)
+        if head.returncode == 0:
+            return head.stdout.strip(), bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
-        return "uncommitted", None
+        pass
+    return os.environ.get("GIT_COMMIT", "uncommitted"), os.environ.get("GIT_DIRTY") not in (None, "0")
 
 
 def device_name():
