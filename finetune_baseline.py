@@ -1,0 +1,417 @@
+"""Full fine-tuning of LLaMA-3.1-8B with stock PyTorch + transformers: the BASELINE.
+
+The playbook's step 11, first half. One readable loop (nanoGPT style): build the model, one warm-up step, reset the
+peak-memory counter, then --steps timed steps of forward -> loss -> backward -> AdamW step -> zero_grad, and a summary
+(average step time, tokens/s, peak GPU memory) plus a JSON file with everything needed to compare runs.
+
+finetune_optimized.py is the same script with the fused kernels plugged in; `diff finetune_baseline.py
+finetune_optimized.py` shows exactly what they change. This one also offers the peers a user would try first:
+--compile (torch.compile of the model) and --liger (Liger-Kernel's apply_liger_kernel_to_llama).
+
+    python finetune_baseline.py                                 # 20 steps at 1x512 (tiny LLaMA on CPU)
+    python finetune_baseline.py --seq-len 8192 --out results/finetune_baseline_1x8192.json
+    python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
+
+Model: real weights when they can be loaded offline, otherwise the same architecture with RANDOM weights (said so in
+every output); without a GPU a tiny LLaMA of the same structure. Data: random tokens like the playbook, or --data.
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+HERE = Path(__file__).resolve().parent
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny",
+                        help='hub id or local path; "tiny" = a 2-layer LLaMA with random weights (CPU runs)')
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend")
+    parser.add_argument("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
+    parser.add_argument("--strict-weights", action="store_true",
+                        help="fail instead of falling back to random weights when the weights cannot be loaded")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps (after one warm-up step)")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=512 if HAS_CUDA else 32,
+                        help="tokens per sequence (32 without a GPU: the Triton interpreter is slow)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
+    parser.add_argument("--optimizer", choices=["adamw_foreach", "adamw_fused"], default="adamw_foreach",
+                        help="torch AdamW, multi-tensor (foreach) or single fused kernel")
+    parser.add_argument("--data", default="synthetic",
+                        help='"synthetic" (random tokens), a local .txt/.jsonl file, or a datasets name')
+    parser.add_argument("--log-interval", type=int, default=1, help="update the progress bar every N steps")
+    parser.add_argument("--seq-len-search", default=None, metavar="L1,L2,...",
+                        help="instead of training: find the longest batch-1 length that trains (2 steps each)")
+    parser.add_argument("--out", default=None, help="JSON results path; when not given: runs/<script>_<variant>_<shape>.json")
+    # -- baseline only: the peers a user would try -----------------------------------------------------------------
+    peers = parser.add_mutually_exclusive_group()
+    peers.add_argument("--compile", action="store_true", help="torch.compile(model)")
+    peers.add_argument("--liger", action="store_true", help="Liger-Kernel's apply_liger_kernel_to_llama(model=...)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "log_interval"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.seq_len_search:
+        try:
+            args.seq_len_search = [int(x) for x in args.seq_len_search.split(",")]
+        except ValueError:
+            parser.error("--seq-len-search takes comma-separated integers, e.g. 4096,8192,12288")
+        if args.seq_len_search != sorted(set(args.seq_len_search)) or min(args.seq_len_search) <= 0:
+            parser.error("--seq-len-search lengths must be positive and increasing")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Run information: what ran, where, with which versions (goes into the header and the JSON)
+
+def git_info():
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        commit = head.stdout.strip() if head.returncode == 0 else "uncommitted"
+        dirty = bool(git("status", "--porcelain").stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "uncommitted", True
+    return commit, dirty
+
+
+def run_info():
+    commit, dirty = git_info()
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "command": [sys.executable, *sys.argv],
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model: real weights when they can be loaded offline, otherwise the same architecture with random weights
+
+ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama31_8b_config():
+    """The published Llama-3.1-8B config.json values, so the architecture is available without the gated repo."""
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+                       rope_parameters=dict(ROPE_LLAMA3))
+
+
+def tiny_llama_config():
+    """Same structure as Llama-3.1-8B (GQA, SwiGLU, llama3 RoPE, untied head), toy sizes: runs on CPU in seconds."""
+    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                       rope_parameters=dict(ROPE_LLAMA3))
+
+
+def load_model(args, device, dtype):
+    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given."""
+    name = args.model
+    if name != "tiny":
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=args.attn_implementation,
+                                                         local_files_only=not args.allow_download)
+            return model.to(device), "real"
+        except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if args.strict_weights:
+                raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
+            if not name.rstrip("/").lower().endswith(("llama-3.1-8b", "llama-3.1-8b-instruct")):
+                raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it")
+            where = "" if args.allow_download else " offline"
+            print(f"weights for {name} not available{where} ({reason}): using the same architecture with RANDOM weights")
+    config = tiny_llama_config() if name == "tiny" else llama31_8b_config()
+    # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    return model, "random"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data: [n_batches, batch, seq_len] token ids. Labels are the inputs themselves (causal LM); the shift happens below.
+
+def load_token_stream(args, eos_id, tokens_needed):
+    """Token ids of --data as one 1-D tensor (documents joined by EOS), tokenized with the model's tokenizer.
+
+    Offline fallbacks: a model without a tokenizer available offline ("tiny", or weights-less 8B) uses the UTF-8
+    bytes of the text as token ids (0..255, valid for any vocabulary >= 256); a datasets name that is not in the
+    local cache is an error (pass a local file or --allow-download)."""
+    path = Path(args.data)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".jsonl":  # one JSON object per line, with a "text" field
+            texts = [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
+        else:
+            texts = [text]
+    else:
+        if not args.allow_download:
+            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        try:
+            import datasets
+        except ImportError:
+            raise SystemExit(f"error: --data {args.data}: no such file, and the `datasets` package is not installed")
+        try:
+            texts = datasets.load_dataset(args.data, split="train")["text"]
+        except Exception as err:  # datasets raises many types for "not cached" / "no network" / "no text column"
+            raise SystemExit(f"error: data set {args.data} cannot be loaded"
+                             f"{'' if args.allow_download else ' offline'}: {str(err).strip().splitlines()[0]}")
+    tokenizer = None
+    if args.model != "tiny":
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
+        except (OSError, ValueError) as err:
+            print(f"no tokenizer for {args.model} ({str(err).strip().splitlines()[0]}): using UTF-8 bytes as token ids")
+    else:
+        print("the tiny model has no tokenizer: using UTF-8 bytes as token ids")
+    ids = []
+    for text in texts:  # stop early: a big corpus needs only as many tokens as the run trains on
+        ids += (tokenizer(text)["input_ids"] if tokenizer else list(text.encode("utf-8"))) + [eos_id]
+        if len(ids) >= tokens_needed:
+            break
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def make_batches(args, n_batches, vocab_size, eos_id, device):
+    tokens_needed = n_batches * args.batch_size * args.seq_len
+    if args.data == "synthetic":  # what the playbook trains on: uniform random tokens (loss stays near ln V)
+        generator = torch.Generator().manual_seed(args.seed)
+        stream = torch.randint(0, vocab_size, (tokens_needed,), generator=generator)
+    else:
+        stream = load_token_stream(args, eos_id, tokens_needed)
+        if stream.numel() == 0:
+            raise SystemExit(f"error: --data {args.data} contains no text")
+        if int(stream.max()) >= vocab_size:
+            raise SystemExit(f"error: token id {int(stream.max())} from --data is outside the model's vocabulary "
+                             f"({vocab_size})")
+        if stream.numel() < tokens_needed:
+            print(f"--data has {stream.numel()} tokens, the run needs {tokens_needed}: cycling through it")
+            stream = stream.repeat(-(-tokens_needed // stream.numel()))
+    # Packed: consecutive seq_len windows of the stream (no padding; attention crosses document boundaries, the
+    # usual simplification for packed pre-training-style batches).
+    return stream[:tokens_needed].view(n_batches, args.batch_size, args.seq_len).to(device)
+
+
+def shift_labels_of(labels):
+    """What transformers' ForCausalLMLoss does: position t predicts token t+1, the last position predicts nothing.
+    Shifting the labels (instead of slicing the logits) keeps the [B, T, V] logits whole: no copy of them."""
+    return F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()  # contiguous: [B, T] rows, viewable as [B*T]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loss: THE part the kernels change (compare with finetune_optimized.py)
+
+def compute_loss(model, input_ids, shift_labels, loss_impl):
+    if loss_impl == "liger":
+        # Liger's fused linear cross-entropy lives in its patched forward, which only takes that path when it is given
+        # labels in training mode; shift_labels is transformers' own keyword for already-shifted labels.
+        return model(input_ids=input_ids, shift_labels=shift_labels).loss
+    logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype
+    # transformers' ForCausalLMLoss: upcast the logits to fp32, mean over the non-ignored tokens.
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=-100)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Longest trainable sequence: each length must survive an optimizer step AFTER the optimizer state exists
+
+def seq_len_search(lengths, try_length, free_memory):
+    """try_length(L) runs two optimizer steps at batch 1 x L and returns its metrics; the first length that runs out
+    of memory ends the search (longer ones would too). Returns (rows, longest length that trained or None)."""
+    rows, longest = [], None
+    for seq_len in lengths:
+        out_of_memory = False
+        try:
+            row = try_length(seq_len)
+        except torch.OutOfMemoryError:
+            out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
+        if out_of_memory:
+            free_memory()
+            rows.append({"seq_len": seq_len, "trained": False})
+            print(f"seq_len {seq_len:>6}: out of memory")
+            break
+        rows.append({"seq_len": seq_len, "trained": True, **row})
+        longest = seq_len
+        print(f"seq_len {seq_len:>6}: trained, {row['step_ms']:.0f} ms/step, peak {row['peak_gib']:.2f} GiB")
+    return rows, longest
+
+
+def sync():
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = "cuda" if HAS_CUDA else "cpu"
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
+    info = run_info()
+    torch.manual_seed(args.seed)
+    model, weights = load_model(args, device, dtype)
+    model.config.use_cache = False  # training: no KV cache
+    model.train()
+    config = model.config
+    n_layers, vocab = config.num_hidden_layers, config.vocab_size
+
+    # --- what this script changes about the model (baseline: nothing, or a peer) ------------------------------------
+    replaced = {}
+    if args.liger:
+        if not HAS_CUDA:
+            raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
+        try:
+            import liger_kernel
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as err:
+            raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
+        apply_liger_kernel_to_llama(model=model)  # RoPE, RMSNorm, SwiGLU MLP, fused linear cross-entropy
+        # Liger patches the module instances' forward and their _get_name() (the class stays): 65 + 32 for 8B.
+        replaced["liger_modules"] = sum(m._get_name().startswith("Liger") for m in model.modules())
+        info["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
+    variant = "liger" if args.liger else "compile" if args.compile else "baseline"
+    loss_impl = "liger" if args.liger else "eager"
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.optimizer == "adamw_foreach",
+                                  fused=args.optimizer == "adamw_fused")
+    if args.compile:
+        model = torch.compile(model)  # compiles on the warm-up step
+
+    def train_step(input_ids):
+        loss = compute_loss(model, input_ids, shift_labels_of(input_ids), loss_impl)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    # --- header ------------------------------------------------------------------------------------------------------
+    script = Path(__file__).name
+    shape = f"{args.batch_size}x{args.seq_len}"
+    print(f"device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "
+          f"transformers {info['transformers']} | commit {info['git_commit']}{'+dirty' if info['git_dirty'] else ''}")
+    print(f"model: {args.model} ({weights} weights), {n_layers} layers, hidden {config.hidden_size}, vocab {vocab}, "
+          f"{str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
+    print(f"{script}: variant {variant}, loss {loss_impl}, optimizer {args.optimizer}, lr {args.lr}, data {args.data}"
+          + (f", replaced {replaced}" if replaced else ""))
+
+    result = {**info, "script": script, "model": args.model, "weights": weights,
+              "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
+              "replaced": replaced, "options": vars(args)}
+    out_path = Path(args.out) if args.out else HERE / "runs" / (
+        f"{Path(script).stem}_{variant}_{'search' if args.seq_len_search else shape}.json")
+
+    if args.seq_len_search:
+        # --- longest batch-1 sequence -------------------------------------------------------------------------------
+        print(f"seq-len search (batch 1, synthetic tokens, 2 optimizer steps each): {args.seq_len_search}")
+        generator = torch.Generator().manual_seed(args.seed)
+
+        def try_length(seq_len):
+            input_ids = torch.randint(0, vocab, (1, seq_len), generator=generator).to(device)
+            sync()
+            if HAS_CUDA:
+                torch.cuda.empty_cache()  # hand back the previous length's cached blocks: less fragmentation
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(2):  # the second step is the one that runs with the optimizer state allocated
+                t0 = time.perf_counter()
+                train_step(input_ids)
+                sync()
+                step_s = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else 0.0
+            return {"step_ms": 1e3 * step_s, "tokens_per_s": seq_len / step_s, "peak_gib": peak}
+
+        def free_memory():
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if HAS_CUDA:
+                torch.cuda.empty_cache()
+
+        rows, longest = seq_len_search(args.seq_len_search, try_length, free_memory)
+        print(f"longest batch-1 sequence that trained: {longest}")
+        result["seq_len_search"] = {"lengths": args.seq_len_search, "results": rows, "longest_trained": longest}
+    else:
+        # --- training --------------------------------------------------------------------------------------------------
+        batches = make_batches(args, args.steps + 1, vocab, config.eos_token_id, device)  # +1: the warm-up batch
+        tokens_per_step = args.batch_size * args.seq_len
+
+        # Warm-up: Triton/torch.compile compile, cuBLAS picks algorithms, AdamW allocates its state. Not timed.
+        t0 = time.perf_counter()
+        warmup_loss = train_step(batches[0])
+        sync()
+        warmup_s = time.perf_counter() - t0
+        if HAS_CUDA:
+            torch.cuda.reset_peak_memory_stats()
+
+        losses, step_times = [], []  # losses stay on the device; read once at the end
+        progress = tqdm(range(1, args.steps + 1), desc=variant, unit="step")
+        for step in progress:
+            # Synchronize around the host timer so the step's GPU work is inside the interval (launches are async).
+            sync()
+            t0 = time.perf_counter()
+            loss = train_step(batches[step])
+            sync()
+            step_times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            if step % args.log_interval == 0 or step == args.steps:
+                # The step already synchronized for timing, so reading the loss here costs no extra stall.
+                progress.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
+        progress.close()
+
+        losses = torch.stack(losses).tolist()
+        avg_step_s = sum(step_times) / len(step_times)
+        tokens_per_s = tokens_per_step * len(step_times) / sum(step_times)
+        peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
+        peak_gib = peak_bytes / 2**30 if HAS_CUDA else None
+
+        # --- summary -----------------------------------------------------------------------------------------------
+        print(f"---- summary: {script} [{variant}] {args.model} ({weights} weights) {shape} {args.optimizer} ----")
+        print(f"steps timed     : {args.steps} (after 1 warm-up step of {warmup_s:.2f} s)")
+        print(f"avg step time   : {1e3 * avg_step_s:.1f} ms")
+        print(f"tokens/s        : {tokens_per_s:,.0f}")
+        print(f"peak GPU memory : " + (f"{peak_gib:.2f} GiB ({peak_bytes / 1e9:.1f} GB)" if HAS_CUDA else "n/a (CPU)"))
+        print(f"loss            : {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {args.steps})")
+        result.update({"shape": shape, "tokens_per_step": tokens_per_step, "steps": args.steps,
+                       "warmup_loss": warmup_loss.item(), "warmup_s": warmup_s,
+                       "avg_step_ms": 1e3 * avg_step_s, "tokens_per_s": tokens_per_s,
+                       "peak_memory_gib": peak_gib, "peak_memory_bytes": peak_bytes,
+                       "losses": losses, "step_ms": [1e3 * s for s in step_times]})
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,470 @@
+"""Profile one LLaMA training step and say where the time goes.
+
+The playbook's step 3 (and its re-profiles, steps 7 and 10): run one full training step -- forward, loss, backward,
+AdamW step, zero_grad -- under torch.profiler and print
+
+  1. the top-N operators and kernels by self device time (self CPU time without a GPU), from the profiler's own
+     key_averages() table, with the driver's "Command Buffer Full" events removed from the event list first;
+  2. a category summary (matmul, attention, RMSNorm, SwiGLU, loss, optimizer, memory copies, other elementwise) in ms
+     and % of the step's device time, so that e.g. AdamW's share at 1x512 is visible at a glance;
+  3. the profiled step's peak memory and how many modules the kernel flags replaced.
+
+It writes exactly one Chrome trace per run to traces/ (open it at https://ui.perfetto.dev) and a small JSON summary
+beside it (and to --summary-out). `--compare A.json B.json` prints a before/after table of two summaries.
+
+    python profile_baseline.py                                     # baseline
+    python profile_baseline.py --use-custom-rmsnorm --use-linear-ce --use-swiglu
+    python profile_baseline.py --compare results/a.json results/b.json
+
+Without a GPU the default model is a tiny LLaMA of the same structure, and the Triton kernels run on the CPU
+interpreter: the run takes seconds and its times say nothing about a GPU.
+"""
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList
+from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
+
+# The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
+# works if that happens before anything (transformers' LLaMA code does) imports Triton.
+from cross_entropy_kernel import cross_entropy, linear_cross_entropy
+from rmsnorm_kernel import replace_rmsnorm
+from swiglu_kernel import replace_llama_mlp
+
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+HERE = Path(__file__).resolve().parent
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CATEGORIES = ["matmul", "attention", "RMSNorm", "SwiGLU", "loss", "optimizer", "memory copies", "other elementwise"]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny",
+                        help='hub id or local path; "tiny" = a 2-layer LLaMA with random weights (CPU runs)')
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend")
+    parser.add_argument("--allow-download", action="store_true", help="let from_pretrained reach the Hub")
+    parser.add_argument("--strict-weights", action="store_true",
+                        help="fail instead of falling back to random weights when the weights cannot be loaded")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=512 if HAS_CUDA else 32,
+                        help="tokens per sequence (32 without a GPU: the Triton interpreter is slow)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
+    parser.add_argument("--optimizer", choices=["adamw_foreach", "adamw_fused"], default="adamw_foreach",
+                        help="torch AdamW, multi-tensor (foreach) or single fused kernel")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
+    parser.add_argument("--use-custom-rmsnorm", action="store_true", help="replace every LlamaRMSNorm (rmsnorm_kernel)")
+    loss = parser.add_mutually_exclusive_group()
+    loss.add_argument("--use-custom-ce", action="store_true",
+                      help="fused cross-entropy on the lm_head logits (cross_entropy_kernel, in-place backward)")
+    loss.add_argument("--use-linear-ce", action="store_true",
+                      help="fused linear cross-entropy from the hidden states: no [B*T, V] logits at all")
+    parser.add_argument("--use-swiglu", action="store_true", help="replace every LlamaMLP (swiglu_kernel)")
+    parser.add_argument("--row-limit", type=int, default=20, help="rows of the top-N table")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="write the trace with tensorboard_trace_handler (into traces/tensorboard/) instead")
+    parser.add_argument("--trace-dir", default=str(HERE / "traces"), help="where the trace and its summary go")
+    parser.add_argument("--summary-out", default=None, help="also write the JSON summary here (e.g. results/...json)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                        help="print a before/after table of two JSON summaries and exit")
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "seq_len", "row_limit"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Run information: what ran, where, with which versions (goes into every header and JSON)
+
+def git_info():
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        commit = head.stdout.strip() if head.returncode == 0 else "uncommitted"
+        dirty = bool(git("status", "--porcelain").stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "uncommitted", True
+    return commit, dirty
+
+
+def run_info():
+    commit, dirty = git_info()
+    return {
+        "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _triton_version(),
+        "transformers": transformers.__version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "command": [sys.executable, *sys.argv],
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+def _triton_version():
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model: real weights when they can be loaded offline, otherwise the same architecture with random weights
+
+ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama31_8b_config():
+    """The published Llama-3.1-8B config.json values, so the architecture is available without the gated repo."""
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+                       rope_parameters=dict(ROPE_LLAMA3))
+
+
+def tiny_llama_config():
+    """Same structure as Llama-3.1-8B (GQA, SwiGLU, llama3 RoPE, untied head), toy sizes: runs on CPU in seconds."""
+    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                       rope_parameters=dict(ROPE_LLAMA3))
+
+
+def load_model(args, device, dtype):
+    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given."""
+    name = args.model
+    if name != "tiny":
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=args.attn_implementation,
+                                                         local_files_only=not args.allow_download)
+            return model.to(device), "real"
+        except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if args.strict_weights:
+                raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
+            if not name.rstrip("/").lower().endswith(("llama-3.1-8b", "llama-3.1-8b-instruct")):
+                raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it")
+            where = "" if args.allow_download else " offline"
+            print(f"weights for {name} not available{where} ({reason}): using the same architecture with RANDOM weights")
+    config = tiny_llama_config() if name == "tiny" else llama31_8b_config()
+    # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    return model, "random"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Category heuristic
+#
+# Every unit of device time (a CUDA kernel, memcpy or memset) is linked by the profiler to the CPU op that launched it;
+# on CPU we use each op's self time instead. We classify it from
+#   kernel: the kernel's name (GPU only),
+#   chain:  the launching op and its enclosing ops/ranges, innermost first (e.g. aten::mm < aten::linear < ...),
+#   labels: chain, plus -- for ops run by autograd's backward -- the chain of the FORWARD op that created the
+#           backward node (matched by the profiler's sequence number), so that e.g. PowBackward0 inherits the
+#           "module::LlamaRMSNorm" range its forward pow ran in.
+# Ranges come from torch itself ("Optimizer.step#AdamW.step", "autograd::engine::evaluate_function: XBackward0") and
+# from this script: a record_function "loss" around the loss, and "module::<Class>" around every *RMSNorm and *MLP
+# module's forward (forward hooks). The first matching rule wins:
+#   optimizer  - inside an Optimizer.* range (AdamW's foreach/fused kernels, zero_grad);
+#   attention  - flash/fmha/attention kernels or scaled_dot_product ops;
+#   matmul     - cuBLAS/CUTLASS kernel names (gemm, nvjet, xmma, ...) or mm/addmm/bmm/linear ops, wherever they run
+#                (so lm_head counts as matmul in every variant, also inside the fused linear cross-entropy);
+#   RMSNorm    - anything labelled rmsnorm/rms_norm (the eager pow/mean/rsqrt/mul ops or the Triton kernels);
+#   loss       - the "loss" range or cross-entropy/log_softmax/nll ops and kernels;
+#   SwiGLU     - the non-matmul work of the MLP modules (silu, mul and their backward) or swiglu/silu kernels;
+#   memory copies - memcpy/memset, and copy_/_to_copy/clone/cat ops not claimed above;
+#   other elementwise - everything else (RoPE, residual adds, embedding, grad accumulation, ...).
+
+ATTENTION_WORDS = ("flash", "fmha", "attention", "scaled_dot_product")
+MATMUL_KERNEL_WORDS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk", "wgmma")
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv",
+              "aten::addmv", "aten::_scaled_mm"}
+LOSS_WORDS = ("cross_entropy", "crossentropy", "nll_loss", "log_softmax")
+COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat"}
+BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
+
+
+def classify(kernel, chain, labels):
+    kernel = (kernel or "").lower()
+    chain_low = [name.lower() for name in chain]
+    labels_low = [name.lower() for name in labels]
+    if any(name.startswith("Optimizer.") for name in chain):
+        return "optimizer"
+    if any(w in kernel for w in ATTENTION_WORDS) or any(w in n for n in chain_low for w in ATTENTION_WORDS):
+        return "attention"
+    if any(w in kernel for w in MATMUL_KERNEL_WORDS) or any(name in MATMUL_OPS for name in chain):
+        return "matmul"
+    if any("rmsnorm" in n or "rms_norm" in n for n in labels_low + [kernel]):
+        return "RMSNorm"
+    if "loss" in labels or any(w in n for n in labels_low + [kernel] for w in LOSS_WORDS):
+        return "loss"
+    if any(n.startswith("module::") and n.endswith("mlp") or "swiglu" in n or "silu" in n
+           for n in labels_low + [kernel]):
+        return "SwiGLU"
+    if kernel.startswith(("memcpy", "memset")) or (chain and chain[0] in COPY_OPS):
+        return "memory copies"
+    return "other elementwise"
+
+
+def _ancestors(event):
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
+
+
+def category_summary(events):
+    """{category: microseconds} over the profiled step, and the total (device time on GPU, CPU self time on CPU)."""
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+
+    # Forward ops by autograd sequence number. A backward node carries the sequence number of the forward op that
+    # created it; ops that create no node reuse the next number, so the LATEST forward op with a number is its creator.
+    forward_by_seq = {}
+    for e in sorted(cpu_ops, key=lambda e: e.time_range.start):
+        if e.sequence_nr >= 0 and not any(n.startswith(BACKWARD_PREFIX) for n in _ancestors(e)):
+            forward_by_seq[e.sequence_nr] = e
+
+    def chain_and_labels(op):
+        chain = _ancestors(op) if op is not None else []
+        labels = list(chain)
+        node = next((e for e in _iter_up(op) if e.name.startswith(BACKWARD_PREFIX)), None)
+        if node is not None and node.sequence_nr in forward_by_seq:
+            labels += _ancestors(forward_by_seq[node.sequence_nr])
+        return chain, labels
+
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    if HAS_CUDA:
+        # Launching ops have correlation id == their id and no link of their own (that is how torch's own parser
+        # attaches kernels to ops); device events point to them through linked_correlation_id. Device-side copies of
+        # record_function ranges ("gpu_user_annotation") span many kernels: skipped, as torch's own table does.
+        launcher = {e.id: e for e in cpu_ops if e.linked_correlation_id == 0}
+        for e in events:
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
+                chain, labels = chain_and_labels(launcher.get(e.linked_correlation_id))
+                totals[classify(e.name, chain, labels)] += e.time_range.elapsed_us()
+    else:
+        for e in cpu_ops:
+            chain, labels = chain_and_labels(e)
+            totals[classify(None, chain, labels)] += e.self_cpu_time_total
+    return totals, sum(totals.values())
+
+
+def _iter_up(event):
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --compare: before/after table of two summaries
+
+def compare(path_before, path_after):
+    before, after = (json.loads(Path(p).read_text()) for p in (path_before, path_after))
+    rows = []
+    for cat in CATEGORIES:
+        b, a = before["categories"][cat], after["categories"][cat]
+        rows.append([cat, f"{b['ms']:.2f}", f"{b['pct']:.1f}", f"{a['ms']:.2f}", f"{a['pct']:.1f}",
+                     f"{a['ms'] - b['ms']:+.2f}"])
+    b, a = before["step_ms"], after["step_ms"]
+    rows.append(["step total", f"{b:.2f}", "100.0", f"{a:.2f}", "100.0", f"{a - b:+.2f}"])
+    pb, pa = before.get("peak_memory_gib"), after.get("peak_memory_gib")
+    if pb is not None and pa is not None:
+        rows.append(["peak memory (GiB)", f"{pb:.2f}", "", f"{pa:.2f}", "", f"{pa - pb:+.2f}"])
+    unit = before["time_unit"]
+    print(f"before: {path_before}  [{before['variant']}, {before['shape']}, {before['weights']} weights]")
+    print(f"after:  {path_after}  [{after['variant']}, {after['shape']}, {after['weights']} weights]")
+    print(tabulate(rows, headers=["category", f"before {unit}", "%", f"after {unit}", "%", "change"],
+                   tablefmt="github", disable_numparse=True))
+    if b > 0 and a > 0:
+        print(f"step {unit}: {b:.2f} -> {a:.2f} ({b / a:.2f}x)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.compare:
+        compare(*args.compare)
+        return
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
+    info = run_info()
+    torch.manual_seed(args.seed)
+    model, weights = load_model(args, device, dtype)
+    model.config.use_cache = False  # training: no KV cache
+    model.train()
+    config = model.config
+    n_layers, vocab = config.num_hidden_layers, config.vocab_size
+
+    # --- kernel replacements: the count is checked, so a flag that replaces nothing is an error ----------------------
+    replaced = {}
+    if args.use_custom_rmsnorm:
+        replaced["rmsnorm"] = replace_rmsnorm(model)
+        if replaced["rmsnorm"] != 2 * n_layers + 1:  # two per decoder layer plus the final norm (65 for 8B)
+            raise SystemExit(f"error: replace_rmsnorm replaced {replaced['rmsnorm']} modules, expected {2 * n_layers + 1}")
+    if args.use_swiglu:
+        replaced["swiglu_mlp"] = replace_llama_mlp(model)
+        if replaced["swiglu_mlp"] != n_layers:
+            raise SystemExit(f"error: replace_llama_mlp replaced {replaced['swiglu_mlp']} modules, expected {n_layers}")
+    variant = "+".join(name for flag, name in [(args.use_custom_rmsnorm, "rmsnorm"), (args.use_custom_ce, "ce"),
+                                               (args.use_linear_ce, "linear_ce"), (args.use_swiglu, "swiglu")]
+                       if flag) or "baseline"
+
+    # --- named ranges for the category summary: one per RMSNorm / MLP module call ----------------------------------
+    def enter_range(module, inputs):
+        module._profile_range = record_function(f"module::{type(module).__name__}")
+        module._profile_range.__enter__()
+
+    def exit_range(module, inputs, output):
+        module._profile_range.__exit__(None, None, None)
+
+    for module in model.modules():
+        if type(module).__name__.endswith(("RMSNorm", "MLP")):
+            module.register_forward_pre_hook(enter_range)
+            module.register_forward_hook(exit_range)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.optimizer == "adamw_foreach",
+                                  fused=args.optimizer == "adamw_fused")
+
+    # Synthetic tokens like the playbook; labels = input_ids, shifted the way transformers does it (no logits slice).
+    generator = torch.Generator().manual_seed(args.seed)
+    input_ids = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=generator).to(device)
+    shift_labels = F.pad(input_ids, (0, 1), value=-100)[..., 1:].contiguous()
+
+    def train_step():
+        if args.use_linear_ce:
+            hidden = model.model(input_ids=input_ids).last_hidden_state
+            with record_function("loss"):
+                loss = linear_cross_entropy(hidden, model.lm_head.weight, shift_labels)
+        else:
+            logits = model(input_ids=input_ids).logits
+            with record_function("loss"):
+                if args.use_custom_ce:
+                    # lm_head's backward needs its input, not its output, so the gradient may overwrite the logits.
+                    loss = cross_entropy(logits, shift_labels, inplace_backward=True)
+                else:  # what transformers' ForCausalLMLoss does: upcast to fp32, mean over non-ignored tokens
+                    loss = F.cross_entropy(logits.float().view(-1, vocab), shift_labels.view(-1), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    # --- header ------------------------------------------------------------------------------------------------------
+    shape = f"{args.batch_size}x{args.seq_len}"
+    print(f"device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "
+          f"transformers {info['transformers']} | commit {info['git_commit']}{'+dirty' if info['git_dirty'] else ''}")
+    print(f"model: {args.model} ({weights} weights), {n_layers} layers, hidden {config.hidden_size}, vocab {vocab}, "
+          f"{str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
+    print(f"step: batch x seq = {shape}, optimizer {args.optimizer}, variant {variant}"
+          + (f", replaced {replaced}" if replaced else ""))
+
+    # --- one warm-up step + one profiled step -------------------------------------------------------------------------
+    # The schedule's warm-up step runs the training step once with the profiler on but discarding (Triton compiles,
+    # cuBLAS picks its algorithms, AdamW allocates its state); only the second step is recorded. on_trace_ready fires
+    # exactly once, after it, and is the only place a trace is written: no "Trace is already saved".
+    trace_dir = Path(args.trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    model_tag = Path(args.model).name
+    stem = (f"profile_{model_tag}_{weights}_{shape}_{variant}_{args.optimizer}_"
+            f"{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
+    if args.tensorboard:
+        write_trace = tensorboard_trace_handler(str(trace_dir / "tensorboard"), worker_name=stem)
+    else:
+        def write_trace(prof):
+            prof.export_chrome_trace(str(trace_dir / f"{stem}.json"))
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if HAS_CUDA else [])
+    with profile(activities=activities, record_shapes=True, profile_memory=True,
+                 schedule=schedule(wait=0, warmup=1, active=1, repeat=1), on_trace_ready=write_trace) as prof:
+        for step in range(2):
+            if step == 1 and HAS_CUDA:  # peak memory of the profiled step only
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            loss = train_step()
+            if HAS_CUDA:
+                torch.cuda.synchronize()
+            prof.step()
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None
+
+    if args.tensorboard:
+        trace_files = sorted((trace_dir / "tensorboard").glob(f"{stem}.*.pt.trace.json"))
+        trace_path = trace_files[-1] if trace_files else None
+    else:
+        trace_path = trace_dir / f"{stem}.json"
+
+    # --- top-N table ------------------------------------------------------------------------------------------------
+    # Drop the driver's "Command Buffer Full" events BEFORE aggregating, and the device-side copies of record_function
+    # ranges (they span many kernels; the CPU-side range stays, with its kernels' time). The kept events still carry
+    # the parent/child links the profiler built, which is all key_averages() needs, so we mark the tree as built.
+    events = EventList([e for e in prof.events() if e.name != "Command Buffer Full"
+                        and not (e.device_type != DeviceType.CPU and e.is_user_annotation)],
+                       use_device="cuda" if HAS_CUDA else None, profile_memory=True)
+    events._tree_built = True
+    sort_key = "self_device_time_total" if HAS_CUDA else "self_cpu_time_total"
+    averages = events.key_averages()
+    print(averages.table(sort_by=sort_key, row_limit=args.row_limit, max_name_column_width=60))
+    top_ops = sorted(averages, key=lambda a: getattr(a, sort_key), reverse=True)[:args.row_limit]
+
+    # --- category summary ---------------------------------------------------------------------------------------
+    totals_us, step_us = category_summary(events)
+    time_unit = "device ms" if HAS_CUDA else "CPU self ms"
+    categories = {cat: {"ms": us / 1e3, "pct": 100.0 * us / step_us if step_us else 0.0} for cat, us in totals_us.items()}
+    print(tabulate([[cat, f"{v['ms']:.3f}", f"{v['pct']:.1f}"] for cat, v in categories.items()]
+                   + [["step total", f"{step_us / 1e3:.3f}", "100.0"]],
+                   headers=["category", time_unit, "% of step"], tablefmt="github", disable_numparse=True))
+    print(f"loss {loss.item():.4f} | peak memory of the profiled step: "
+          + (f"{peak_gib:.2f} GiB" if peak_gib is not None else "n/a (CPU)")
+          + f" | trace: {trace_path}")
+
+    summary = {
+        **info,
+        "script": "profile_baseline.py",
+        "model": args.model,
+        "weights": weights,
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": shape,
+        "variant": variant,
+        "options": vars(args),
+        "replaced": replaced,
+        "loss": loss.item(),
+        "time_unit": time_unit,
+        "step_ms": step_us / 1e3,
+        "categories": categories,
+        "peak_memory_gib": peak_gib,
+        "top_ops": [{"name": a.key, "calls": a.count, "self_device_ms": a.self_device_time_total / 1e3,
+                     "self_cpu_ms": a.self_cpu_time_total / 1e3} for a in top_ops],
+        "trace": str(trace_path),
+    }
+    summary_paths = [trace_dir / f"{stem}.summary.json"] + ([Path(args.summary_out)] if args.summary_out else [])
+    for path in summary_paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+    print("summary: " + ", ".join(str(p) for p in summary_paths))
+
+
+if __name__ == "__main__":
+    main()
