@@ -93,15 +93,17 @@ def parse_args(argv=None):
 # Run information: what ran, where, with which versions (goes into every header and JSON)
 
 def git_info():
+    """(short commit, dirty?) of the checkout; outside a git checkout (a copied tree on a GPU box) the GIT_COMMIT
+    and GIT_DIRTY environment variables say which commit the copy was taken from."""
     def git(*cmd):
         return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
     try:
         head = git("rev-parse", "--short", "HEAD")
-        commit = head.stdout.strip() if head.returncode == 0 else "uncommitted"
-        dirty = bool(git("status", "--porcelain").stdout.strip())
+        if head.returncode == 0:
+            return head.stdout.strip(), bool(git("status", "--porcelain").stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        commit, dirty = "uncommitted", True
-    return commit, dirty
+        pass
+    return os.environ.get("GIT_COMMIT", "uncommitted"), os.environ.get("GIT_DIRTY") not in (None, "0")
 
 
 def run_info():
