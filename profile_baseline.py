@@ -259,14 +259,15 @@ def category_summary(events):
 
     totals = dict.fromkeys(CATEGORIES, 0.0)
     if HAS_CUDA:
-        # Launching ops have correlation id == their id and no link of their own (that is how torch's own parser
-        # attaches kernels to ops); device events point to them through linked_correlation_id. Device-side copies of
-        # record_function ranges ("gpu_user_annotation") span many kernels: skipped, as torch's own table does.
-        launcher = {e.id: e for e in cpu_ops if e.linked_correlation_id == 0}
-        for e in events:
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
-                chain, labels = chain_and_labels(launcher.get(e.linked_correlation_id))
-                totals[classify(e.name, chain, labels)] += e.time_range.elapsed_us()
+        # Every op that launched device work lists those kernels (name, duration) in `kernels`: that is how torch's
+        # own table attributes device time to ops. Device-side copies of record_function ranges carry the range's own
+        # name and span many kernels: skipped, as torch's own table does.
+        for op in cpu_ops:
+            kernels = [k for k in op.kernels if k.name != op.name]
+            if kernels:
+                chain, labels = chain_and_labels(op)
+                for kernel in kernels:
+                    totals[classify(kernel.name, chain, labels)] += kernel.duration
     else:
         for e in cpu_ops:
             chain, labels = chain_and_labels(e)
