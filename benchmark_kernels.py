@@ -574,18 +574,14 @@ def worst_output(errors, limits):
 def add_throughput(row, spec, phase, shape, itemsize, copy_gbps):
     seconds = row["median_ms"] * 1e-3
     usable = seconds > 0  # a derived backward can come out at (or below) zero
-    formula = spec.get("bytes", {}).get(phase)
-    if formula:
-        n_bytes = formula[1](shape, itemsize)
-        gbps = n_bytes / seconds / 1e9 if usable else None
-        row.update(bytes_formula=formula[0], bytes=n_bytes, gbps=gbps,
-                   pct_of_copy=None if gbps is None else 100 * gbps / copy_gbps)
-    issue = spec.get("issue_bytes", {}).get(phase)
-    if issue:
-        n_bytes = issue[1](shape, itemsize)
-        gbps = n_bytes / seconds / 1e9 if usable else None
-        row.update(bytes_formula_issue8=issue[0], bytes_issue8=n_bytes, gbps_issue8=gbps,
-                   pct_of_copy_issue8=None if gbps is None else 100 * gbps / copy_gbps)
+    # The minimal byte count, and for SwiGLU also issue 8's count (its keys get the suffix "_issue8").
+    for key, suffix in (("bytes", ""), ("issue_bytes", "_issue8")):
+        formula = spec.get(key, {}).get(phase)
+        if formula:
+            n_bytes = formula[1](shape, itemsize)
+            gbps = n_bytes / seconds / 1e9 if usable else None
+            row.update({f"bytes_formula{suffix}": formula[0], f"bytes{suffix}": n_bytes, f"gbps{suffix}": gbps,
+                        f"pct_of_copy{suffix}": None if gbps is None else 100 * gbps / copy_gbps})
     flops = spec.get("flops", {}).get(phase)
     if flops:
         n_flops = flops[1](shape)

@@ -33,7 +33,7 @@ The weight gradient: per-program partial sums
 ---------------------------------------------
 dw sums over every row. Writing dy * normed to an fp32 [rows, H] buffer and summing it with torch (what the original
 playbook does) costs an extra 8 bytes per element. Instead the backward kernel runs a fixed number of programs
-("persistent" programs, a few per streaming multiprocessor); each walks over its share of the rows and keeps its own
+("persistent" programs, one per streaming multiprocessor); each walks over its share of the rows and keeps its own
 running fp32 sum in registers, writing ONE row of partial sums at the end. torch then adds those few rows. The
 result is deterministic: the same rows always go to the same program in the same order.
 
