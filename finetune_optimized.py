@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
@@ -69,6 +71,9 @@ def parse_args(argv=None):
     parser.add_argument("--log-interval", type=int, default=1, help="update the progress bar every N steps")
     parser.add_argument("--seq-len-search", default=None, metavar="L1,L2,...",
                         help="instead of training: find the longest batch-1 length that trains (2 steps each)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the model with FSDP2 over the processes of torchrun --nproc-per-node N; "
+                             "--batch-size is per rank (global batch = N x --batch-size)")
     parser.add_argument("--out", default=None, help="JSON results path; when not given: runs/<script>_<variant>_<shape>.json")
     # -- optimized only: which kernels -------------------------------------------------------------------------------
     parser.add_argument("--loss", choices=["linear_ce", "ce"], default="linear_ce",
@@ -87,6 +92,13 @@ def parse_args(argv=None):
             parser.error("--seq-len-search takes comma-separated integers, e.g. 4096,8192,12288")
         if args.seq_len_search != sorted(set(args.seq_len_search)) or min(args.seq_len_search) <= 0:
             parser.error("--seq-len-search lengths must be positive and increasing")
+    if args.fsdp:
+        combined = [name for name in ("seq_len_search", "compile", "liger") if getattr(args, name, None)]  # the last
+        if combined:                                                      # two exist in finetune_baseline.py only
+            parser.error(f"--fsdp cannot be combined with --{combined[0].replace('_', '-')}")
+        if "WORLD_SIZE" not in os.environ:
+            parser.error(f"--fsdp needs the torchrun launcher, e.g. torchrun --standalone --nproc-per-node 2 "
+                         f"{Path(__file__).name} --fsdp (--nproc-per-node 1 for a single process)")
     return args
 
 
@@ -218,8 +230,11 @@ def load_token_stream(args, eos_id, tokens_needed):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def make_batches(args, n_batches, vocab_size, eos_id, device):
-    tokens_needed = n_batches * args.batch_size * args.seq_len
+def make_batches(args, n_batches, vocab_size, eos_id, device, rank=0, world_size=1):
+    # --fsdp: the run draws GLOBAL batches of world_size x batch_size rows and rank r trains rows r::world_size, so the
+    # ranks see different sequences and together exactly what one process with that global batch size would see.
+    global_batch_size = world_size * args.batch_size
+    tokens_needed = n_batches * global_batch_size * args.seq_len
     if args.data == "synthetic":  # what the playbook trains on: uniform random tokens (loss stays near ln V)
         generator = torch.Generator().manual_seed(args.seed)
         stream = torch.randint(0, vocab_size, (tokens_needed,), generator=generator)
@@ -235,7 +250,8 @@ def make_batches(args, n_batches, vocab_size, eos_id, device):
             stream = stream.repeat(-(-tokens_needed // stream.numel()))
     # Packed: consecutive seq_len windows of the stream (no padding; attention crosses document boundaries, the
     # usual simplification for packed pre-training-style batches).
-    return stream[:tokens_needed].view(n_batches, args.batch_size, args.seq_len).to(device)
+    batches = stream[:tokens_needed].view(n_batches, global_batch_size, args.seq_len)
+    return batches[:, rank::world_size].contiguous().to(device)
 
 
 def shift_labels_of(labels):
@@ -257,6 +273,19 @@ def compute_loss(model, input_ids, shift_labels, loss_impl):
     # logits. inplace_backward: the gradient overwrites the logits, which is safe because lm_head's backward needs
     # its input, not its output.
     return cross_entropy(logits, shift_labels, inplace_backward=True)
+
+
+class ModelWithLoss(torch.nn.Module):
+    """The model and compute_loss as one module: the unit FSDP2 shards as its root. The root all-gathers the
+    parameters outside the decoder layers (embedding, final norm, lm_head) around ITS forward, and a loss that reads
+    lm_head.weight outside lm_head's own forward (the fused linear cross-entropy) needs them gathered there."""
+
+    def __init__(self, model, loss_impl):
+        super().__init__()
+        self.model, self.loss_impl = model, loss_impl
+
+    def forward(self, input_ids, shift_labels):
+        return compute_loss(self.model, input_ids, shift_labels, self.loss_impl)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -288,14 +317,28 @@ def sync():
         torch.cuda.synchronize()
 
 
+def init_distributed(args):
+    """(rank, world_size, device). --fsdp: join torchrun's process group, NCCL with one GPU per process
+    (cuda:LOCAL_RANK), gloo on CPU; otherwise one process on the one device."""
+    if not args.fsdp:
+        return 0, 1, "cuda" if HAS_CUDA else "cpu"
+    device = f"cuda:{os.environ['LOCAL_RANK']}" if HAS_CUDA else "cpu"
+    if HAS_CUDA:
+        torch.cuda.set_device(device)  # the current device of synchronize(), max_memory_allocated(), NCCL
+    dist.init_process_group("nccl" if HAS_CUDA else "gloo", device_id=torch.device(device) if HAS_CUDA else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
     args = parse_args(argv)
-    device = "cuda" if HAS_CUDA else "cpu"
+    rank, world_size, device = init_distributed(args)
+    if rank != 0:  # every rank runs this same script: rank 0's copy of the output is enough
+        sys.stdout = open(os.devnull, "w")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
     info = run_info()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same on every rank: identical random weights before FSDP shards them
     model, weights = load_model(args, device, dtype)
     model.config.use_cache = False  # training: no KV cache
     model.train()
@@ -313,14 +356,26 @@ def main(argv=None):
     variant = "+".join(["rmsnorm", args.loss] + (["swiglu"] if args.swiglu else []))
     loss_impl = args.loss
 
+    model_with_loss = ModelWithLoss(model, loss_impl)
+    if args.fsdp:
+        # FSDP2: every parameter is split across the ranks. Each decoder layer is one unit that all-gathers its
+        # parameters just before its forward (and again for its backward), frees them after, and reduce-scatters
+        # (averages) its gradients; the root unit holds the rest. Parameters stay in the model's dtype.
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model_with_loss)
+    # After fully_shard: the optimizer must hold the sharded parameters (each rank updates its own shard).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.optimizer == "adamw_foreach",
                                   fused=args.optimizer == "adamw_fused")
 
     def train_step(input_ids):
-        loss = compute_loss(model, input_ids, shift_labels_of(input_ids), loss_impl)
+        loss = model_with_loss(input_ids, shift_labels_of(input_ids))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.fsdp:  # log the global batch's loss: the mean over ranks (every rank has the same token count)
+            loss = loss.detach() / world_size
+            dist.all_reduce(loss)  # sum of loss / world_size (gloo has no AVG); a collective, not a host sync
         return loss.detach()
 
     # --- header ------------------------------------------------------------------------------------------------------
@@ -331,13 +386,15 @@ def main(argv=None):
     print(f"model: {args.model} ({weights} weights), {n_layers} layers, hidden {config.hidden_size}, vocab {vocab}, "
           f"{str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
     print(f"{script}: variant {variant}, loss {loss_impl}, optimizer {args.optimizer}, lr {args.lr}, data {args.data}"
-          + (f", replaced {replaced}" if replaced else ""))
+          + (f", replaced {replaced}" if replaced else "")
+          + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
 
     result = {**info, "script": script, "model": args.model, "weights": weights,
               "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
-              "replaced": replaced, "options": vars(args)}
+              "replaced": replaced, "world_size": world_size, "options": vars(args)}
     out_path = Path(args.out) if args.out else HERE / "runs" / (
-        f"{Path(script).stem}_{variant}_{'search' if args.seq_len_search else shape}.json")
+        f"{Path(script).stem}_{variant}_{'search' if args.seq_len_search else shape}"
+        f"{f'_fsdp{world_size}' if args.fsdp else ''}.json")
 
     if args.seq_len_search:
         # --- longest batch-1 sequence -------------------------------------------------------------------------------
@@ -369,8 +426,9 @@ def main(argv=None):
         result["seq_len_search"] = {"lengths": args.seq_len_search, "results": rows, "longest_trained": longest}
     else:
         # --- training --------------------------------------------------------------------------------------------------
-        batches = make_batches(args, args.steps + 1, vocab, config.eos_token_id, device)  # +1: the warm-up batch
-        tokens_per_step = args.batch_size * args.seq_len
+        # steps + 1: the warm-up batch. Each rank gets its own rows of the global batches.
+        batches = make_batches(args, args.steps + 1, vocab, config.eos_token_id, device, rank, world_size)
+        tokens_per_step = world_size * args.batch_size * args.seq_len  # global: all the ranks together
 
         # Warm-up: Triton/torch.compile compile, cuBLAS picks algorithms, AdamW allocates its state. Not timed.
         t0 = time.perf_counter()
@@ -381,7 +439,7 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats()
 
         losses, step_times = [], []  # losses stay on the device; read once at the end
-        progress = tqdm(range(1, args.steps + 1), desc=variant, unit="step")
+        progress = tqdm(range(1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
         for step in progress:
             # Synchronize around the host timer so the step's GPU work is inside the interval (launches are async).
             sync()
@@ -400,23 +458,36 @@ def main(argv=None):
         tokens_per_s = tokens_per_step * len(step_times) / sum(step_times)
         peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
         peak_gib = peak_bytes / 2**30 if HAS_CUDA else None
+        peak_bytes_per_rank = [peak_bytes]
+        if args.fsdp:  # each rank holds its own shards, activations and optimizer state: report every rank's peak
+            peak_bytes_per_rank = [None] * world_size
+            dist.all_gather_object(peak_bytes_per_rank, peak_bytes)
+        peak_gib_per_rank = [b / 2**30 if b is not None else None for b in peak_bytes_per_rank]
 
         # --- summary -----------------------------------------------------------------------------------------------
         print(f"---- summary: {script} [{variant}] {args.model} ({weights} weights) {shape} {args.optimizer} ----")
         print(f"steps timed     : {args.steps} (after 1 warm-up step of {warmup_s:.2f} s)")
         print(f"avg step time   : {1e3 * avg_step_s:.1f} ms")
-        print(f"tokens/s        : {tokens_per_s:,.0f}")
-        print(f"peak GPU memory : " + (f"{peak_gib:.2f} GiB ({peak_bytes / 1e9:.1f} GB)" if HAS_CUDA else "n/a (CPU)"))
+        print(f"tokens/s        : {tokens_per_s:,.0f}"
+              + (f" over {world_size} ranks, {tokens_per_s / world_size:,.0f} per GPU" if args.fsdp else ""))
+        print(f"peak GPU memory : " + (f"{peak_gib:.2f} GiB ({peak_bytes / 1e9:.1f} GB)" if HAS_CUDA else "n/a (CPU)")
+              + (f"; per rank {', '.join(f'{g:.2f}' for g in peak_gib_per_rank)} GiB" if args.fsdp and HAS_CUDA
+                 else ""))
         print(f"loss            : {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {args.steps})")
         result.update({"shape": shape, "tokens_per_step": tokens_per_step, "steps": args.steps,
                        "warmup_loss": warmup_loss.item(), "warmup_s": warmup_s,
                        "avg_step_ms": 1e3 * avg_step_s, "tokens_per_s": tokens_per_s,
+                       "tokens_per_s_per_gpu": tokens_per_s / world_size,
                        "peak_memory_gib": peak_gib, "peak_memory_bytes": peak_bytes,
+                       "peak_memory_gib_per_rank": peak_gib_per_rank,
                        "losses": losses, "step_ms": [1e3 * s for s in step_times]})
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {out_path}")
+    if rank == 0:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results: {out_path}")
+    if args.fsdp:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
