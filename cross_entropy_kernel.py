@@ -302,9 +302,13 @@ def _scale_rows_(x, scale):
     return x
 
 
-def _mean_scale(targets, ignore_index):
-    """1 / (number of non-ignored targets) as a 0-dim fp32 device tensor (inf when every row is ignored: no row is
-    then scaled, since ignored rows get zeros). Plus the count itself, for the mean of the losses."""
+def _reduction_scale(targets, ignore_index, reduction):
+    """(gradient scale as a 0-dim fp32 device tensor, count for the mean or None).
+
+    "mean": 1 / (number of non-ignored targets), inf when every row is ignored (no row is then scaled, since ignored
+    rows get zeros), plus that count for the mean of the losses. "sum"/"none": 1."""
+    if reduction != "mean":
+        return torch.ones((), dtype=torch.float32, device=targets.device), None
     n_valid = (targets != ignore_index).sum()
     return 1.0 / n_valid.to(torch.float32), n_valid
 
@@ -349,10 +353,7 @@ def _cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean",
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernel needs unit column stride; any row strides are fine
     targets_flat = targets.reshape(-1)
-    if reduction == "mean":
-        scale, n_valid = _mean_scale(targets_flat, ignore_index)
-    else:
-        scale, n_valid = torch.ones((), dtype=torch.float32, device=logits.device), None
+    scale, n_valid = _reduction_scale(targets_flat, ignore_index, reduction)
     losses = torch.empty(targets_flat.numel(), dtype=torch.float32, device=logits.device)
     grad = None
     if compute_grad:
@@ -557,10 +558,7 @@ def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V):
     if h.stride(-1) != 1:
         h = h.contiguous()
     targets_flat = targets.reshape(-1)
-    if reduction == "mean":
-        scale, n_valid = _mean_scale(targets_flat, ignore_index)
-    else:
-        scale, n_valid = torch.ones((), dtype=torch.float32, device=hidden.device), None
+    scale, n_valid = _reduction_scale(targets_flat, ignore_index, reduction)
     return h, targets_flat, scale, n_valid
 
 
