@@ -132,6 +132,10 @@ CE_CASES = [
     case(dtype="bf16", shape=(3, 4, 500), reduction="none", ignore_frac=0.2, upstream="expanded"),  # loss.sum()
     case(dtype="fp32", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=64),
     case(dtype="fp32", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=1024),
+    # lane widths: 1 (every column its own running max), and the whole chunk (one max and sum per chunk)
+    case(dtype="bf16", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=256, lane_width=1),
+    case(dtype="fp32", shape=(8, 1000), reduction="sum", ignore_frac=0.2, label_smoothing=0.1, block_v=128,
+         lane_width=128),
 ]
 
 
@@ -143,7 +147,7 @@ def case_id(c):
 
 def check_cross_entropy(dtype, shape, reduction, ignore_frac, label_smoothing=0.0, magnitude=3.0, layout="contiguous",
                         upstream=1.0, targets_dtype=torch.int64, ignore_index=-100, use_module=False, inplace=False,
-                        block_v=None, transposed_targets=False):
+                        block_v=None, lane_width=None, transposed_targets=False):
     dtype = DTYPES[dtype]
     V = shape[-1]
     values = (torch.randn(shape, device=DEVICE) * magnitude).to(dtype)
@@ -165,8 +169,9 @@ def check_cross_entropy(dtype, shape, reduction, ignore_frac, label_smoothing=0.
     logits = with_layout(leaf, layout)  # a differentiable view (or copy) of the leaf with the requested strides
     if logits is not leaf:
         logits.retain_grad()
-    if block_v is not None:  # the internal API: same result whatever the chunk size
-        loss, grad = ck._cross_entropy_forward(logits.detach(), targets, compute_grad=True, block_v=block_v, **kwargs)
+    if block_v is not None:  # the internal API: same result whatever the chunk size and lane width
+        loss, grad = ck._cross_entropy_forward(logits.detach(), targets, compute_grad=True, block_v=block_v,
+                                               lane_width=lane_width, **kwargs)
         grad = grad * upstream
     else:
         if use_module:
