@@ -162,6 +162,15 @@ def _check_kernel_device(device, who):
     raise ValueError(f"{who}: tensors are on {device}, but the Triton kernel runs on {where}")
 
 
+def _on_tensor_device(t):
+    """Triton launches on the CURRENT CUDA device; switch to t's GPU only when it is another one. Entering
+    torch.cuda.device() on every call is not free: in the autograd backward thread it cost ~1.4 ms of host time per
+    call on the H200 machine (an 8B fine-tune step at 1x512 took 192 ms instead of 148 ms with it)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def _as_rows(t):
     """View t [..., n_cols] as [n_rows, n_cols] with unit column stride; copies only when no such view exists."""
     t2d = t.reshape(-1, t.shape[-1])  # a view whenever the leading dims can be merged (e.g. chunk views), else a copy
@@ -196,7 +205,7 @@ def swiglu_forward(gate, up, *, block_size=None, block_rows=None, num_warps=None
     gate2d, up2d, out2d = _as_rows(gate), _as_rows(up), out.view(-1, out.shape[-1])
     n_rows, n_cols = gate2d.shape
     grid, block_r, block_c, warps = _launch_config(n_rows, n_cols, block_size, block_rows, num_warps)
-    with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():  # launch on the tensors' GPU
+    with _on_tensor_device(gate):
         _swiglu_forward_kernel[grid](
             gate2d, up2d, out2d,
             gate2d.stride(0), up2d.stride(0), out2d.stride(0),
@@ -223,7 +232,7 @@ def swiglu_backward(gate, up, dy, *, block_size=None, block_rows=None, num_warps
     dgate2d, dup2d = dgate.view(-1, dgate.shape[-1]), dup.view(-1, dup.shape[-1])
     n_rows, n_cols = gate2d.shape
     grid, block_r, block_c, warps = _launch_config(n_rows, n_cols, block_size, block_rows, num_warps)
-    with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():
+    with _on_tensor_device(gate):
         _swiglu_backward_kernel[grid](
             gate2d, up2d, dy2d, dgate2d, dup2d,
             gate2d.stride(0), up2d.stride(0), dy2d.stride(0), dgate2d.stride(0), dup2d.stride(0),
