@@ -2,6 +2,7 @@
 
     python benchmark_kernels.py                        # every kernel at the playbook's sizes (GPU) or toy sizes (CPU)
     python benchmark_kernels.py --kernel rmsnorm --tokens 4096 16384 65536 --plot
+    python benchmark_kernels.py --kernel rope --plot   # q [1, 32, T, 128], k [1, 8, T, 128] (LLaMA-3.1-8B)
 
 What one run does
 -----------------
@@ -38,6 +39,9 @@ swiglu [N, I]           fwd 3*N*I*s (read gate, up; write out)   bwd 5*N*I*s (re
                         fwd+bwd 8*N*I*s (the sum: the true minimum for a separate forward and backward) and, labelled
                         "issue-8 count", 6*N*I*s (read gate, up, dy; write out, dgate, dup: as if the forward's reads
                         were free). Under the 6*N*I*s count no implementation can pass 75 % of copy.
+rope q [1, Hq, N, D],   fwd (2*(Hq+Hk)+2)*N*D*s (read q, k, cos, sin; write q_embed, k_embed)   bwd the same
+k [1, Hk, N, D]         (read dq_embed, dk_embed, cos, sin; write dq, dk)   fwd+bwd (4*(Hq+Hk)+4)*N*D*s. q and k are
+                        the transposed views LlamaAttention passes; cos/sin [1, N, D] like LlamaRotaryEmbedding's.
 
 Without a GPU everything runs on Triton's CPU interpreter at toy sizes; times come from time.perf_counter and are
 interpreter times, not meaningful, but the correctness checks and the output files are real (CI runs it that way).
@@ -81,10 +85,11 @@ GPU_TOKENS = {
     "cross_entropy": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],  # issue 3's rows are 4096 and 16384
     "linear_cross_entropy": [1024, 4096, 16384],
     "swiglu": [256, 512, 1024, 2048, 4096, 8192, 16384],
+    "rope": [512, 2048, 8192, 16384],  # sequence length T at batch 1
 }
 CPU_TOKENS = {kernel: [4, 8] for kernel in GPU_TOKENS}
-GPU_DIMS = {"hidden": 4096, "vocab": 128256, "intermediate": 14336}
-CPU_DIMS = {"hidden": 64, "vocab": 500, "intermediate": 100}
+GPU_DIMS = {"hidden": 4096, "vocab": 128256, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128}
+CPU_DIMS = {"hidden": 64, "vocab": 500, "intermediate": 100, "heads": 4, "kv_heads": 2, "head_dim": 16}
 
 # Correctness rule: error <= ERROR_FACTOR * (eager's error) + ERROR_FLOOR[dtype of that output]. The interpreter
 # truncates fp32 -> bf16/fp16 casts instead of rounding to nearest (error up to one unit in the last place, biased),
@@ -102,15 +107,27 @@ CPU_TIMED_CALLS = 3
 # ---------------------------------------------------------------------------------------------------------------------
 # A "case" holds the inputs of one size: `args` are passed positionally to every provider, `grad_inputs` names the
 # arguments whose gradients are checked ({"dx": 0} = the gradient of args[0] is reported as "dx"), `dy` is the
-# upstream gradient (None for a scalar loss).
+# upstream gradient (None for a scalar loss). A kernel with several outputs (rope: q_embed, k_embed) has a tuple of
+# output names and a tuple of upstream gradients, one each.
 class Case:
     def __init__(self, args, grad_inputs, dy, out_name, shape):
         self.args, self.grad_inputs, self.dy, self.out_name, self.shape = args, grad_inputs, dy, out_name, shape
 
     def fresh(self):
-        """A private copy of the inputs: in-place providers (Liger, ours_inplace) overwrite their logits / dy."""
+        """A private copy of the inputs: in-place providers (Liger, ours_inplace) overwrite their logits / dy.
+        clone() keeps the strides, so transposed views stay transposed."""
         args = [a.detach().clone().requires_grad_(a.requires_grad) for a in self.args]
+        if isinstance(self.dy, tuple):
+            return args, tuple(d.clone() for d in self.dy)
         return args, None if self.dy is None else self.dy.clone()
+
+
+def run_backward(out, dy, retain_graph=False):
+    """out.backward(dy), also for a tuple of outputs with a tuple of upstream gradients."""
+    if isinstance(out, tuple):
+        torch.autograd.backward(out, dy, retain_graph=retain_graph)
+    else:
+        out.backward(dy, retain_graph=retain_graph)
 
 
 def _randn(*shape, dtype, gen, scale=1.0):
@@ -300,6 +317,57 @@ def swiglu_providers():
             "liger": liger}
 
 
+# --- RoPE ------------------------------------------------------------------------------------------------------------
+def rope_case(tokens, dims, dtype, gen):
+    heads, kv_heads, head_dim = dims["heads"], dims["kv_heads"], dims["head_dim"]
+
+    def llama_view(n_heads):  # q_proj(x).view(1, T, heads, D).transpose(1, 2): what LlamaAttention passes
+        return _randn(1, tokens, n_heads, head_dim, dtype=dtype, gen=gen).transpose(1, 2)
+
+    q, k = llama_view(heads).requires_grad_(), llama_view(kv_heads).requires_grad_()
+    # cos/sin as LlamaRotaryEmbedding builds them (llama3's rope_theta; both halves equal), in the model dtype.
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=DEVICE, dtype=torch.float32) / head_dim)
+    freqs = torch.arange(tokens, device=DEVICE, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[None]  # [1, T, D]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    dy = (llama_view(heads), llama_view(kv_heads))  # laid out like q and k, as attention's backward returns them
+    return Case([q, k, cos, sin], {"dq": 0, "dk": 1}, dy, ("q_embed", "k_embed"),
+                {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim})
+
+
+def rope_reference(case):
+    q, k, cos, sin = case.args
+    q64, k64 = (a.detach().double().requires_grad_() for a in (q, k))
+    cos64, sin64 = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    half = q.shape[-1] // 2
+
+    def rotate_half(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    q_embed, k_embed = q64 * cos64 + rotate_half(q64) * sin64, k64 * cos64 + rotate_half(k64) * sin64
+    torch.autograd.backward((q_embed, k_embed), tuple(d.double() for d in case.dy))
+    return {"q_embed": q_embed.detach(), "k_embed": k_embed.detach(), "dq": q64.grad, "dk": k64.grad}
+
+
+def eager_rope():
+    """transformers' own apply_rotary_pos_emb (what LlamaAttention runs): mul, slice, neg, cat, mul, add."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    return apply_rotary_pos_emb
+
+
+def rope_providers():
+    def ours():
+        from rope_kernel import apply_rotary_pos_emb
+        return apply_rotary_pos_emb
+
+    def liger():
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        # Some Liger versions return (q, k, cos, sin): keep the two embeddings.
+        return lambda q, k, cos, sin: tuple(liger_rotary_pos_emb(q, k, cos, sin)[:2])
+
+    return {"ours": ours, "eager": eager_rope, "torch_compile": lambda: _compiled(eager_rope()), "liger": liger}
+
+
 def _compiled(fn):
     """torch.compile of the eager math, compiled afresh for every size (static shapes, like the playbook's runs)."""
     if not ON_GPU:
@@ -312,6 +380,11 @@ def _compiled(fn):
 
 class SkipProvider(Exception):
     pass
+
+
+def _rope_bytes(d, s):
+    """One pass of RoPE: read q and k, write their rotations, read the cos and sin rows ([1, N, D] each)."""
+    return (2 * (d["heads"] + d["kv_heads"]) + 2) * d["tokens"] * d["head_dim"] * s
 
 
 # Byte / FLOP counts per phase: (formula text, function of the case's shape dict and bytes per element).
@@ -338,6 +411,12 @@ KERNELS = {
                   "fwd+bwd": ("8*N*I*s", lambda d, s: 8 * d["tokens"] * d["intermediate"] * s)},
         "issue_bytes": {"fwd+bwd": ("6*N*I*s", lambda d, s: 6 * d["tokens"] * d["intermediate"] * s)},
     },
+    "rope": {
+        "case": rope_case, "reference": rope_reference, "baseline": "eager",
+        "bytes": {"fwd": ("(2*(Hq+Hk)+2)*N*D*s", lambda d, s: _rope_bytes(d, s)),
+                  "bwd": ("(2*(Hq+Hk)+2)*N*D*s", lambda d, s: _rope_bytes(d, s)),
+                  "fwd+bwd": ("(4*(Hq+Hk)+4)*N*D*s", lambda d, s: 2 * _rope_bytes(d, s))},
+    },
 }
 
 # What each phase means for providers that do not split the work the obvious way (copied into the JSON rows).
@@ -357,6 +436,10 @@ NOTES = {
     ("linear_cross_entropy", "cce"): "filter_eps='high' (default): small gradient entries skipped (approximate)",
     ("linear_cross_entropy", "eager"): "bf16 [N, V] logits, fp32 copy for the loss",
     ("rmsnorm", "liger"): "casting_mode='llama', in_place=True (dx overwrites dy)",
+    ("rope", "ours"): "one launch for q and k; strided (transposed) inputs read in place; fp32 math, one rounding",
+    ("rope", "eager"): "transformers' apply_rotary_pos_emb: separate mul/neg/cat/mul/add kernels, a rounding after each",
+    ("rope", "liger"): "liger_rotary_pos_emb: rotates q and k in their own buffers (and the gradients in dq_embed's); "
+                       "reads only the first half of cos/sin (assumes their halves are equal, as in LLaMA)",
 }
 
 
@@ -367,6 +450,8 @@ def providers_for(kernel, args):
         return cross_entropy_providers(args.dtype)
     if kernel == "linear_cross_entropy":
         return linear_cross_entropy_providers(args.chunk_sizes)
+    if kernel == "rope":
+        return rope_providers()
     return swiglu_providers()
 
 
@@ -377,8 +462,11 @@ def run_once(fn, case):
     """One forward + backward on fresh inputs; returns the output and the gradients by name."""
     args, dy = case.fresh()
     out = fn(*args)
-    out.backward(dy)
-    results = {case.out_name: out.detach()}
+    run_backward(out, dy)
+    if isinstance(out, tuple):
+        results = {name: o.detach() for name, o in zip(case.out_name, out)}
+    else:
+        results = {case.out_name: out.detach()}
     for name, index in case.grad_inputs.items():
         results[name] = args[index].grad
     return results
@@ -406,7 +494,7 @@ def peak_mb_above_inputs(fn, case):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    fn(*args).backward(dy)
+    run_backward(fn(*args), dy)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     del args, dy
@@ -443,7 +531,7 @@ def time_phases(fn, case, rep_ms, warmup_ms):
     args, dy = case.fresh()
     leaves = [a for a in args if a.requires_grad]
     phases = {"fwd": time_ms(lambda: fn(*args), leaves, rep_ms, warmup_ms),
-              "fwd+bwd": time_ms(lambda: fn(*args).backward(dy), leaves, rep_ms, warmup_ms)}
+              "fwd+bwd": time_ms(lambda: run_backward(fn(*args), dy), leaves, rep_ms, warmup_ms)}
     out = fn(*args)
 
     def backward_again():
@@ -451,7 +539,7 @@ def time_phases(fn, case, rep_ms, warmup_ms):
         # the logits themselves, and accumulating into it would bump the version of a tensor saved for backward.
         for leaf in leaves:
             leaf.grad = None
-        out.backward(dy, retain_graph=True)
+        run_backward(out, dy, retain_graph=True)
 
     try:  # can this provider's backward run twice on one forward?
         backward_again()
@@ -484,7 +572,7 @@ def benchmark_kernel(kernel, args, copy_gbps):
     spec = KERNELS[kernel]
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    dims = {"hidden": args.hidden, "vocab": args.vocab, "intermediate": args.intermediate}
+    dims = {name: getattr(args, name) for name in GPU_DIMS}
     all_providers = providers_for(kernel, args)
     selected = [p for p in all_providers if not args.providers or p in args.providers]
     rows, failures = [], []
@@ -770,8 +858,9 @@ def parse_args(argv=None):
                         help=f"token counts N (rows) for every selected kernel; None = per kernel: "
                              f"on GPU {gpu_tokens}; on CPU {' '.join(map(str, CPU_TOKENS['rmsnorm']))}")
     for name, what in (("hidden", "hidden size H (rmsnorm, linear_cross_entropy)"), ("vocab", "vocabulary V"),
-                       ("intermediate", "intermediate size I (swiglu)")):
-        parser.add_argument(f"--{name}", type=int, default=None,
+                       ("intermediate", "intermediate size I (swiglu)"), ("heads", "query heads Hq (rope)"),
+                       ("kv_heads", "key/value heads Hk (rope)"), ("head_dim", "head dimension D (rope)")):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                             help=f"{what}; None = {GPU_DIMS[name]} on GPU, {CPU_DIMS[name]} on CPU")
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=None,
                         help="linear_cross_entropy: also time ours with these explicit chunk_size values")

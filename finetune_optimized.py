@@ -1,11 +1,13 @@
 """Full fine-tuning of LLaMA-3.1-8B with the fused Triton kernels plugged in: the OPTIMIZED run.
 
-The playbook's step 11, second half: finetune_baseline.py with three changes, each visible in
+The playbook's step 11, second half: finetune_baseline.py with four changes, each visible in
 `diff finetune_baseline.py finetune_optimized.py`:
   1. every LlamaRMSNorm becomes a TritonRMSNorm sharing the same weight (rmsnorm_kernel.py; 65 modules for 8B);
   2. every LlamaMLP's silu(gate) * up runs in one fused kernel, forward and backward (swiglu_kernel.py; --no-swiglu
      turns it off);
-  3. the loss: by default the fused linear cross-entropy, fed the decoder's hidden states and lm_head's weight, so the
+  3. every LlamaAttention's rotary position embedding of q and k runs in one fused kernel, forward and backward
+     (rope_kernel.py, by patching transformers' apply_rotary_pos_emb; --no-rope turns it off);
+  4. the loss: by default the fused linear cross-entropy, fed the decoder's hidden states and lm_head's weight, so the
      [B*T, V] logits never exist (--loss linear_ce); --loss ce reproduces the playbook's exact configuration, the fused
      cross-entropy on the lm_head logits (cross_entropy_kernel.py).
 Everything else -- model, data, optimizer, timing, JSON -- is the baseline's, line for line.
@@ -38,6 +40,7 @@ from tqdm import tqdm
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from cross_entropy_kernel import cross_entropy, linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
+from rope_kernel import llama_attention_count, patch_llama_rope
 from swiglu_kernel import replace_llama_mlp
 
 import transformers
@@ -81,6 +84,8 @@ def parse_args(argv=None):
                              "ce: fused cross-entropy on the lm_head logits (the playbook's configuration)")
     parser.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True,
                         help="replace every LlamaMLP by one with the fused SwiGLU kernel")
+    parser.add_argument("--rope", action=argparse.BooleanOptionalAction, default=True,
+                        help="patch transformers' LLaMA apply_rotary_pos_emb with the fused RoPE kernel")
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "log_interval"):
         if getattr(args, name) <= 0:
@@ -353,7 +358,13 @@ def main(argv=None):
         replaced["swiglu_mlp"] = replace_llama_mlp(model)
         if replaced["swiglu_mlp"] != n_layers:
             raise SystemExit(f"error: replace_llama_mlp replaced {replaced['swiglu_mlp']} modules, expected {n_layers}")
-    variant = "+".join(["rmsnorm", args.loss] + (["swiglu"] if args.swiglu else []))
+    if args.rope:
+        patch_llama_rope()  # process-wide: LlamaAttention looks the function up at call time
+        replaced["rope_attention"] = llama_attention_count(model)  # the layers that now call the fused kernel
+        if replaced["rope_attention"] != n_layers:
+            raise SystemExit(f"error: the RoPE patch reaches {replaced['rope_attention']} LlamaAttention modules, "
+                             f"expected {n_layers}")
+    variant = "+".join(["rmsnorm", args.loss] + (["swiglu"] if args.swiglu else []) + (["rope"] if args.rope else []))
     loss_impl = args.loss
 
     model_with_loss = ModelWithLoss(model, loss_impl)

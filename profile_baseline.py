@@ -13,7 +13,7 @@ It writes exactly one Chrome trace per run to traces/ (open it at https://ui.per
 beside it (and to --summary-out). `--compare A.json B.json` prints a before/after table of two summaries.
 
     python profile_baseline.py                                     # baseline
-    python profile_baseline.py --use-custom-rmsnorm --use-linear-ce --use-swiglu
+    python profile_baseline.py --use-custom-rmsnorm --use-linear-ce --use-swiglu --use-rope
     python profile_baseline.py --compare results/a.json results/b.json
 
 Without a GPU the default model is a tiny LLaMA of the same structure, and the Triton kernels run on the CPU
@@ -40,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from cross_entropy_kernel import cross_entropy, linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
+from rope_kernel import llama_attention_count, patch_llama_rope
 from swiglu_kernel import replace_llama_mlp
 
 import transformers
@@ -75,6 +76,8 @@ def parse_args(argv=None):
     loss.add_argument("--use-linear-ce", action="store_true",
                       help="fused linear cross-entropy from the hidden states: no [B*T, V] logits at all")
     parser.add_argument("--use-swiglu", action="store_true", help="replace every LlamaMLP (swiglu_kernel)")
+    parser.add_argument("--use-rope", action="store_true",
+                        help="patch LLaMA's apply_rotary_pos_emb with the fused RoPE kernel (rope_kernel)")
     parser.add_argument("--row-limit", type=int, default=20, help="rows of the top-N table")
     parser.add_argument("--tensorboard", action="store_true",
                         help="write the trace with tensorboard_trace_handler (into traces/tensorboard/) instead")
@@ -197,7 +200,8 @@ def load_model(args, device, dtype):
 #   loss       - the "loss" range or cross-entropy/log_softmax/nll ops and kernels;
 #   SwiGLU     - the non-matmul work of the MLP modules (silu, mul and their backward) or swiglu/silu kernels;
 #   memory copies - memcpy/memset, and copy_/_to_copy/clone/cat ops not claimed above;
-#   other elementwise - everything else (RoPE, residual adds, embedding, grad accumulation, ...).
+#   other elementwise - everything else (RoPE, eager or the fused kernel of --use-rope, residual adds, embedding,
+#                grad accumulation, ...).
 
 ATTENTION_WORDS = ("flash", "fmha", "attention", "scaled_dot_product")
 MATMUL_KERNEL_WORDS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk", "wgmma")
@@ -333,8 +337,15 @@ def main(argv=None):
         replaced["swiglu_mlp"] = replace_llama_mlp(model)
         if replaced["swiglu_mlp"] != n_layers:
             raise SystemExit(f"error: replace_llama_mlp replaced {replaced['swiglu_mlp']} modules, expected {n_layers}")
+    if args.use_rope:
+        patch_llama_rope()  # process-wide: LlamaAttention looks the function up at call time
+        replaced["rope_attention"] = llama_attention_count(model)  # the layers that now call the fused kernel
+        if replaced["rope_attention"] != n_layers:
+            raise SystemExit(f"error: the RoPE patch reaches {replaced['rope_attention']} LlamaAttention modules, "
+                             f"expected {n_layers}")
     variant = "+".join(name for flag, name in [(args.use_custom_rmsnorm, "rmsnorm"), (args.use_custom_ce, "ce"),
-                                               (args.use_linear_ce, "linear_ce"), (args.use_swiglu, "swiglu")]
+                                               (args.use_linear_ce, "linear_ce"), (args.use_swiglu, "swiglu"),
+                                               (args.use_rope, "rope")]
                        if flag) or "baseline"
 
     # --- named ranges for the category summary: one per RMSNorm / MLP module call ----------------------------------

@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmark_kernels.py"
-KERNELS = ("rmsnorm", "cross_entropy", "linear_cross_entropy", "swiglu")
+KERNELS = ("rmsnorm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope")
 HEADER_KEYS = ("gpu", "copy_gbps", "versions", "git_commit", "git_dirty", "command", "date", "rows")
 
 
@@ -76,6 +76,9 @@ def test_json_rows(full_run):
     assert norm_row["bytes_formula"] == "5*N*H*s" and norm_row["bytes"] == 5 * tokens * 64 * 2
     swiglu_row = by_phase[("swiglu", "ours", tokens, "fwd+bwd")]
     assert swiglu_row["bytes_formula"] == "8*N*I*s" and swiglu_row["bytes_formula_issue8"] == "6*N*I*s"
+    rope_row = by_phase[("rope", "ours", tokens, "fwd+bwd")]  # CPU dims: 4 query heads, 2 kv heads, head_dim 16
+    assert rope_row["bytes_formula"] == "(4*(Hq+Hk)+4)*N*D*s" and rope_row["bytes"] == (4 * 6 + 4) * tokens * 16 * 2
+    assert set(rope_row["error"]) == {"q_embed", "k_embed", "dq", "dk"}
     lce_row = by_phase[("linear_cross_entropy", "ours", tokens, "fwd+bwd")]
     assert lce_row["flops_formula"] == "6*N*H*V" and "gbps" not in lce_row
 

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
 import finetune_baseline  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 30
 
@@ -65,9 +66,9 @@ def test_json_contents(parity_runs):
 
 def test_replacement_counts(parity_runs):
     assert parity_runs["baseline"][0]["replaced"] == {}
-    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 MLPs
-    assert parity_runs["linear_ce"][0]["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2}
-    assert parity_runs["ce"][0]["variant"] == "rmsnorm+ce+swiglu"
+    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 MLPs, 2 attention layers calling the patched RoPE
+    assert parity_runs["linear_ce"][0]["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2, "rope_attention": 2}
+    assert parity_runs["ce"][0]["variant"] == "rmsnorm+ce+swiglu+rope"
 
 
 @pytest.mark.parametrize("variant", ["linear_ce", "ce"])
@@ -78,10 +79,11 @@ def test_loss_parity(parity_runs, variant):
     assert optimized == pytest.approx(baseline, rel=2e-5)
 
 
-def test_no_swiglu_and_synthetic_default(tmp_path):
+def test_no_swiglu_no_rope_and_synthetic_default(tmp_path):
     result, _ = run_script("finetune_optimized.py", tmp_path, "noswiglu", "--steps", "2", "--seq-len", "16",
-                           "--no-swiglu", "--optimizer", "adamw_fused")
+                           "--no-swiglu", "--no-rope", "--optimizer", "adamw_fused")
     assert result["replaced"] == {"rmsnorm": 5} and result["options"]["data"] == "synthetic"
+    assert result["variant"] == "rmsnorm+linear_ce" and result["options"]["rope"] is False
 
 
 def tiny_model_with_random_norms(seed):
@@ -112,12 +114,17 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
     labels[1, :] = -100  # a fully ignored sequence must not change the denominator
     ref_loss, ref_grads = loss_and_grads(lambda: model(input_ids=input_ids, labels=labels).loss, model)
 
-    # In place, reusing the same parameters (as the script does).
+    # In place, reusing the same parameters (as the script does); the RoPE patch is process-wide: restored after.
     assert finetune_optimized.replace_rmsnorm(model) == 5
     assert finetune_optimized.replace_llama_mlp(model) == 2
     shift_labels = finetune_optimized.shift_labels_of(labels)
-    loss, grads = loss_and_grads(
-        lambda: finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl), model)
+    original_rope = finetune_optimized.patch_llama_rope()
+    try:
+        assert finetune_optimized.llama_attention_count(model) == 2
+        loss, grads = loss_and_grads(
+            lambda: finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl), model)
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original_rope
 
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for name, ref in ref_grads.items():

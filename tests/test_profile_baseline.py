@@ -37,7 +37,7 @@ def baseline_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kernels_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("kernels")
-    out = run_profile(tmp_path, "--use-custom-rmsnorm", "--use-linear-ce", "--use-swiglu",
+    out = run_profile(tmp_path, "--use-custom-rmsnorm", "--use-linear-ce", "--use-swiglu", "--use-rope",
                       "--summary-out", str(tmp_path / "kernels.json"))
     return tmp_path, out, json.loads((tmp_path / "kernels.json").read_text())
 
@@ -69,8 +69,9 @@ def test_baseline_categories(baseline_run):
 
 def test_kernel_flags(kernels_run):
     tmp_path, out, summary = kernels_run
-    assert summary["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2}  # 2 * layers + 1 norms, one MLP per layer
-    assert summary["variant"] == "rmsnorm+linear_ce+swiglu"
+    # 2 * layers + 1 norms, one MLP and one attention (calling the patched RoPE) per layer
+    assert summary["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2, "rope_attention": 2}
+    assert summary["variant"] == "rmsnorm+linear_ce+swiglu+rope"
     check_trace(summary["trace"])
     # The Triton kernels and their backward are attributed to their categories.
     for cat in ("RMSNorm", "SwiGLU", "loss", "matmul", "optimizer"):
@@ -90,7 +91,7 @@ def test_compare(baseline_run, kernels_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for row in CATEGORIES + ["step total"]:
         assert f"| {row}" in proc.stdout
-    assert "rmsnorm+linear_ce+swiglu" in proc.stdout
+    assert "rmsnorm+linear_ce+swiglu+rope" in proc.stdout
 
 
 def test_custom_ce_and_tensorboard(tmp_path):

@@ -1,0 +1,369 @@
+"""Fused rotary position embedding (RoPE) for LLaMA attention: q and k rotated in one kernel, forward and backward.
+
+What it computes
+----------------
+Before attention, LLaMA rotates every query and key head by an angle that depends on the token's position
+(transformers 5.17, models/llama/modeling_llama.py, `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`):
+
+    q_embed = q * cos + rotate_half(q) * sin,      rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+    k_embed = k * cos + rotate_half(k) * sin
+
+q is [B, n_q_heads, T, D], k is [B, n_kv_heads, T, D] (grouped-query attention: LLaMA-3.1-8B has 32 query heads and
+8 key/value heads of D = 128), and cos, sin are [B or 1, T, D], one row per token shared by all heads. Written per
+half (x1 = x[..., :D/2], x2 = x[..., D/2:], and likewise c1, c2, s1, s2 for cos and sin):
+
+    forward:   out1 = x1 * c1 - x2 * s1             out2 = x2 * c2 + x1 * s2
+    backward:  dx1  = g1 * c1 + g2 * s2             dx2  = g2 * c2 - g1 * s1          (g = upstream gradient)
+
+The backward is the transpose of the rotation: dx = g * cos + rotate_half^T(g * sin), rotate_half^T(y) =
+cat(y[..., D/2:], -y[..., :D/2]). LlamaRotaryEmbedding builds cos and sin from cat(freqs, freqs), so their halves are
+equal (c1 = c2, s1 = s2) and the backward is the forward with sin negated; the kernel uses the exact formula above,
+which is right for any cos and sin. cos and sin get no gradient: LLaMA computes them under torch.no_grad().
+
+Cast order (what we do, and what eager PyTorch does)
+----------------------------------------------------
+Eager runs separate elementwise ops in the model dtype: q * cos, rotate_half(q) (a negation and a concatenation:
+exact), its product with sin, and the sum. Each product and the sum compute in fp32 and ROUND to bf16, so
+q_embed = round(round(q * cos) + round(rotate_half(q) * sin)): three roundings. Those
+intermediate roundings are an artifact of running separate ops, not part of the function (unlike LlamaRMSNorm's cast
+back to the input dtype, which the model's code asks for), so this kernel loads in the storage dtype, computes the
+whole expression in fp32 and rounds ONCE: at most half a unit in the last place from the exact result, where eager's
+three roundings can lose more (bf16, 2 x 8 x 512 x 128: max error 0.015 against eager's 0.027). About a fifth of
+the bf16 outputs then differ from eager's in the last bit; in fp32 the two agree to rounding.
+
+Bytes moved (s = bytes per element, N = B * T tokens, H = n_q_heads + n_kv_heads)
+------------------------------------------------------------------------------
+    forward:  read q, k, cos, sin; write q_embed, k_embed      = (2 * H + 2) * N * D * s
+    backward: read dq_embed, dk_embed, cos, sin; write dq, dk  = (2 * H + 2) * N * D * s
+Eager runs mul, slice/neg/cat, mul, add per tensor (and more in the backward), writing a full-size intermediate after
+each: roughly 5x the bytes of the fused kernel. RoPE does a few FLOPs per byte, so time ~ bytes and fusing is the win.
+Memory is no gain: like eager autograd (whose multiplications by cos and sin save only cos and sin, since q and k
+are not needed for the gradient of a product with a constant), the backward keeps only cos and sin, which LLaMA
+shares between all layers of a step.
+
+Layouts
+-------
+In LlamaAttention, q and k are NON-contiguous views: `q_proj(x).view(B, T, heads, D).transpose(1, 2)`. The kernel
+reads every tensor through its own batch, head and token strides (unit stride along D), so nothing is copied, and the
+outputs are allocated with `torch.empty_like`, which keeps the input's layout: attention sees the same strides as in
+eager. cos/sin may broadcast over the batch (their batch stride is then 0). Offsets are int64.
+
+Layout of this file: kernel -> launchers (validate, pick block sizes, launch) -> autograd Function ->
+`apply_rotary_pos_emb` (drop-in for transformers' function) -> `patch_llama_rope()` (and `llama_attention_count`).
+"""
+import contextlib
+import functools
+import os
+import sys
+
+import torch
+
+# Without a GPU, Triton's CPU interpreter runs the kernels (slowly, with numpy). It must be switched on before
+# `import triton`, so the first kernel module imported sets the variable and prints a one-line notice.
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+    print("No CUDA device: Triton kernels run on the CPU interpreter (toy sizes; times are not meaningful).", file=sys.stderr)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------------
+# One program handles BLOCK_T consecutive tokens of one sequence: it loads those tokens' cos and sin rows once, then
+# rotates ALL query heads and ALL key heads of those tokens (one launch for q and k, so cos and sin are read once
+# per token instead of once per tensor). The grid is (token blocks, batch). A tile is 3-D:
+# [BLOCK_T tokens, BLOCK_H heads, BLOCK_HALF columns of one half of the head]; the two halves are loaded as two
+# tiles, because each output half needs both input halves. On the GPU BLOCK_T is 1 at LLaMA-3.1-8B's shape
+# (32 heads x 64 columns = 2048 elements per half tile); on the CPU interpreter a program covers many tokens, because
+# the interpreter pays ~1 ms per program and per loop step.
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr,
+    x_batch_stride, x_head_stride, x_token_stride,
+    out_batch_stride, out_head_stride, out_token_stride,
+    batch, tokens, token_mask,
+    cos1, cos2, sin1, sin2,
+    N_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    """Rotate every head of x (q or k) for this program's tokens. cos1 ... sin2: [BLOCK_T, 1, BLOCK_HALF] fp32."""
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < HALF  # BLOCK_HALF is D/2 rounded up to a power of two (D = 10 gives HALF 5, BLOCK_HALF 8)
+    tok = tokens[:, None, None]
+    # A loop over head blocks: one step for LLaMA (all 32 heads fit one tile); more for very wide models, whose
+    # whole row of heads would not fit in registers.
+    for head_start in range(0, N_HEADS, BLOCK_H):
+        heads = head_start + tl.arange(0, BLOCK_H)
+        mask = token_mask[:, None, None] & (heads < N_HEADS)[None, :, None] & col_mask[None, None, :]
+        # heads are int64 too: every term of the offset is int64, so no product can wrap at 2^31.
+        head = heads.to(tl.int64)[None, :, None]
+        x_first = x_ptr + batch * x_batch_stride + tok * x_token_stride + head * x_head_stride + cols[None, None, :]
+        # Load in the storage dtype and compute in fp32 (bf16 keeps only 8 bits of mantissa). The second half starts
+        # HALF elements after the first: the column stride is 1 (the launcher guarantees it).
+        x1 = tl.load(x_first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_first + HALF, mask=mask, other=0.0).to(tl.float32)
+        if BACKWARD:  # the transposed rotation: note the swapped sin halves and signs
+            y1 = x1 * cos1 + x2 * sin2
+            y2 = x2 * cos2 - x1 * sin1
+        else:
+            y1 = x1 * cos1 - x2 * sin1
+            y2 = x2 * cos2 + x1 * sin2
+        out_first = (out_ptr + batch * out_batch_stride + tok * out_token_stride + head * out_head_stride
+                     + cols[None, None, :])
+        # One rounding to the output dtype, after the whole expression (see "Cast order" above).
+        tl.store(out_first, y1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_first + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    q_batch_stride, q_head_stride, q_token_stride,
+    k_batch_stride, k_head_stride, k_token_stride,
+    q_out_batch_stride, q_out_head_stride, q_out_token_stride,
+    k_out_batch_stride, k_out_head_stride, k_out_token_stride,
+    cos_batch_stride, cos_token_stride, sin_batch_stride, sin_token_stride,
+    n_tokens,
+    N_Q_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    # Head counts and head_dim are compile-time constants (one compilation per model): the compiler then knows that
+    # LLaMA's tiles need no column or head mask and that the second half starts 64 elements after the first, and it
+    # can vectorize every load. The token count varies from batch to batch, so it stays a run-time argument.
+    # int64 before any multiplication by a stride: at 8B's shape q holds 4096 elements per token, so token * stride
+    # passes 2^31 at 524288 tokens, and an int32 product would silently wrap to a wrong address.
+    batch = tl.program_id(1).to(tl.int64)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < n_tokens  # the last token block may hang over the end of the sequence
+    tokens = tokens.to(tl.int64)
+
+    # cos and sin rows of these tokens, both halves, as [BLOCK_T, 1, BLOCK_HALF]: the size-1 axis broadcasts them
+    # over the heads. A batch stride of 0 makes every sequence read the same rows (cos shaped [1, T, D]).
+    cols = tl.arange(0, BLOCK_HALF)
+    cs_mask = token_mask[:, None, None] & (cols < HALF)[None, None, :]
+    cos_first = cos_ptr + batch * cos_batch_stride + tokens[:, None, None] * cos_token_stride + cols[None, None, :]
+    sin_first = sin_ptr + batch * sin_batch_stride + tokens[:, None, None] * sin_token_stride + cols[None, None, :]
+    cos1 = tl.load(cos_first, mask=cs_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_first + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_first, mask=cs_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_first + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+
+    _rotate_heads(q_ptr, q_out_ptr, q_batch_stride, q_head_stride, q_token_stride,
+                  q_out_batch_stride, q_out_head_stride, q_out_token_stride,
+                  batch, tokens, token_mask, cos1, cos2, sin1, sin2,
+                  N_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF, BACKWARD)
+    _rotate_heads(k_ptr, k_out_ptr, k_batch_stride, k_head_stride, k_token_stride,
+                  k_out_batch_stride, k_out_head_stride, k_out_token_stride,
+                  batch, tokens, token_mask, cos1, cos2, sin1, sin2,
+                  N_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF, BACKWARD)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers: validate, pick tile sizes, allocate, launch
+# ----------------------------------------------------------------------------------------------------------------
+def _check_kernel_device(device, who):
+    # Compiled Triton kernels need CUDA tensors; only the CPU interpreter reads CPU (numpy-backed) memory.
+    if device.type == "cuda" or (device.type == "cpu" and INTERPRETING):
+        return
+    where = "the CPU interpreter (TRITON_INTERPRET=1)" if INTERPRETING else "CUDA (move the tensors with .cuda())"
+    raise ValueError(f"{who}: tensors are on {device}, but the Triton kernel runs on {where}")
+
+
+def _validate(q, k, cos, sin, who):
+    """Raise a clear error for inputs the kernel cannot take (instead of reading garbage or crashing).
+    Only attribute reads: no torch ops, no host syncs (this runs twice per layer per step)."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{who}: {name} must be floating point, got {t.dtype}")
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"{who}: {name} must be 4-D [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3:
+            raise ValueError(f"{who}: {name} must be 3-D [batch or 1, tokens, head_dim], got shape {tuple(t.shape)}")
+    batch, _, n_tokens, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"{who}: head_dim must be even (rotate_half splits it in two halves), got {head_dim}")
+    if k.shape[0] != batch or k.shape[2] != n_tokens:
+        raise ValueError(f"{who}: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same batch (dim 0) and "
+                         f"tokens (dim 2)")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.shape[-1] != head_dim:
+            raise ValueError(f"{who}: head_dim mismatch: q has {head_dim}, {name} has {t.shape[-1]} "
+                             f"(shape {tuple(t.shape)})")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape[0] not in (1, batch) or t.shape[1] not in (1, n_tokens):
+            raise ValueError(f"{who}: {name} of shape {tuple(t.shape)} does not broadcast to [batch, tokens, head_dim]"
+                             f" = [{batch}, {n_tokens}, {head_dim}] (batch and tokens must match q's or be 1)")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{who}: q has dtype {q.dtype}; supported: float32, bfloat16, float16")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{who}: q, k, cos and sin must have the same dtype, got q {q.dtype} and {name} {t.dtype} "
+                            f"(LlamaRotaryEmbedding returns cos/sin in the model dtype)")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.device != q.device:
+            raise ValueError(f"{who}: q, k, cos and sin must be on the same device, got q on {q.device} and {name} "
+                             f"on {t.device}")
+    _check_kernel_device(q.device, who)
+
+
+def _on_tensor_device(t):
+    """Triton launches on the CURRENT CUDA device; switch to t's GPU only when it is another one. Entering
+    torch.cuda.device() on every call is not free (measured for the SwiGLU kernel on the H200 machine: ~1.4 ms of host
+    time per call in autograd's backward thread), and this kernel runs twice per layer per step."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _unit_column_stride(t):
+    """t itself when its last dimension is contiguous in memory (LLaMA's transposed views are), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _broadcast_strides(t):
+    """(batch stride, token stride) of a [B or 1, T or 1, D] cos/sin; 0 along a broadcast (size-1) dimension."""
+    return (0 if t.shape[0] == 1 else t.stride(0)), (0 if t.shape[1] == 1 else t.stride(1))
+
+
+@functools.lru_cache(maxsize=256)  # the same few shapes every step: skip the arithmetic (~8 us of host time a call)
+def _launch_config(n_tokens, n_q_heads, n_kv_heads, head_dim, block_t, block_heads, num_warps):
+    """(BLOCK_T, BLOCK_QH, BLOCK_KH, BLOCK_HALF, num_warps). block_t (tokens per program), block_heads (heads per
+    tile) and num_warps override the defaults for a sweep on the GPU; tile dimensions must be powers of two."""
+    for name, value in (("block_t", block_t), ("block_heads", block_heads)):
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ValueError(f"{name} must be a positive power of two, got {value}")
+    block_half = triton.next_power_of_2(head_dim // 2)
+    # Elements per half tile: GPU 2048 = all 32 heads x 64 columns of one LLaMA-3.1-8B token (8 KB of bf16 in flight
+    # per program for q, both halves, 16 elements per thread at 4 warps). Compiled for sm_90 without a GPU: 62
+    # registers, no spills, 128-bit loads and stores. Not yet timed on the GPU: block_t, block_heads and num_warps
+    # are there for that sweep. Interpreter: big tiles, because each program costs ~1 ms.
+    elements_per_tile = 16384 if INTERPRETING else 2048
+    max_heads = block_heads or max(1, elements_per_tile // block_half)
+    block_qh = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
+    block_kh = min(triton.next_power_of_2(max(n_kv_heads, 1)), max_heads)
+    block_t = block_t or max(1, min(triton.next_power_of_2(n_tokens), elements_per_tile // (block_qh * block_half)))
+    num_warps = num_warps or (4 if block_t * block_qh * block_half <= 2048 else 8)
+    return block_t, block_qh, block_kh, block_half, num_warps
+
+
+def _launch(q, k, cos, sin, q_out, k_out, backward, block_t, block_heads, num_warps):
+    batch, n_q_heads, n_tokens, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    block_t, block_qh, block_kh, block_half, warps = _launch_config(n_tokens, n_q_heads, n_kv_heads, head_dim,
+                                                                    block_t, block_heads, num_warps)
+    cos_batch_stride, cos_token_stride = _broadcast_strides(cos)
+    sin_batch_stride, sin_token_stride = _broadcast_strides(sin)
+    grid = (triton.cdiv(n_tokens, block_t), batch)  # tokens on axis 0 (limit 2^31 - 1), batch on axis 1 (65535)
+    with _on_tensor_device(q):
+        _rope_kernel[grid](
+            q, k, cos, sin, q_out, k_out,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            q_out.stride(0), q_out.stride(1), q_out.stride(2),
+            k_out.stride(0), k_out.stride(1), k_out.stride(2),
+            cos_batch_stride, cos_token_stride, sin_batch_stride, sin_token_stride,
+            n_tokens, N_Q_HEADS=n_q_heads, N_KV_HEADS=n_kv_heads, HALF=head_dim // 2,
+            BLOCK_T=block_t, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, BACKWARD=backward,
+            num_warps=warps,
+        )
+
+
+def rope_forward(q, k, cos, sin, *, block_t=None, block_heads=None, num_warps=None):
+    """(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, same for k), for q [B, Hq, T, D], k [B, Hkv, T, D],
+    cos/sin [B or 1, T, D]. The outputs keep q's and k's memory layout. Not differentiable (see
+    `apply_rotary_pos_emb`)."""
+    _validate(q, k, cos, sin, "rope_forward")
+    q, k, cos, sin = (_unit_column_stride(t) for t in (q, k, cos, sin))
+    # empty_like keeps the strides of a dense tensor: LLaMA's transposed q gives a transposed q_embed, as in eager.
+    q_embed, k_embed = torch.empty_like(q), torch.empty_like(k)
+    if q.shape[0] * q.shape[2] > 0:  # no tokens: nothing to launch (a grid dimension of 0 is not allowed)
+        _launch(q, k, cos, sin, q_embed, k_embed, False, block_t, block_heads, num_warps)
+    return q_embed, k_embed
+
+
+def rope_backward(dq_embed, dk_embed, cos, sin, *, block_t=None, block_heads=None, num_warps=None):
+    """(dq, dk) from the upstream gradients, in fresh buffers laid out like those gradients. The gradients may be
+    strided any way (attention's backward decides); a gradient whose last dimension is not contiguous is copied."""
+    _validate(dq_embed, dk_embed, cos, sin, "rope_backward")
+    dq_embed, dk_embed, cos, sin = (_unit_column_stride(t) for t in (dq_embed, dk_embed, cos, sin))
+    dq, dk = torch.empty_like(dq_embed), torch.empty_like(dk_embed)
+    if dq_embed.shape[0] * dq_embed.shape[2] > 0:
+        _launch(dq_embed, dk_embed, cos, sin, dq, dk, True, block_t, block_heads, num_warps)
+    return dq, dk
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd Function and the drop-in for transformers' apply_rotary_pos_emb
+# ----------------------------------------------------------------------------------------------------------------
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        q_embed, k_embed = rope_forward(q, k, cos, sin)
+        # The backward needs only cos and sin, not q or k. LLaMA passes every layer the SAME cos/sin tensors, so
+        # saving them costs no extra memory.
+        ctx.save_for_backward(cos, sin)
+        return q_embed, k_embed
+
+    @staticmethod
+    def backward(ctx, dq_embed, dk_embed):
+        cos, sin = ctx.saved_tensors
+        dq, dk = rope_backward(dq_embed, dk_embed, cos, sin)
+        return dq, dk, None, None  # no gradient for cos and sin (checked in apply_rotary_pos_emb)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Drop-in for transformers' `apply_rotary_pos_emb`, same signature and result (one rounding instead of three,
+    see the module docstring), differentiable in q and k.
+
+    unsqueeze_dim=1 (LLaMA): q [B, Hq, T, D], k [B, Hkv, T, D]; unsqueeze_dim=2: q [B, T, Hq, D], k [B, T, Hkv, D]
+    (the same kernel on the transposed views). cos, sin: [B or 1, T, D] in q's dtype, not requiring grad."""
+    if torch.is_grad_enabled() and (getattr(cos, "requires_grad", False) or getattr(sin, "requires_grad", False)):
+        raise ValueError("apply_rotary_pos_emb: the fused RoPE kernel computes no gradient for cos and sin, but they "
+                         "require grad; compute them under torch.no_grad() (as LlamaRotaryEmbedding does) or detach "
+                         "them")
+    if unsqueeze_dim in (1, -3):  # where cos.unsqueeze(dim) puts the head axis of a 4-D q: 1 and -3 are the same
+        return RoPEFunction.apply(q, k, cos, sin)
+    if unsqueeze_dim in (2, -2):
+        for name, t in (("q", q), ("k", k)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"apply_rotary_pos_emb: with unsqueeze_dim=2, {name} must be 4-D "
+                                 f"[batch, tokens, heads, head_dim], got {got}")
+        # [B, T, H, D] -> [B, H, T, D] views: only the strides change, so the same kernel applies, and the outputs
+        # (allocated like these views) transpose back to the caller's layout.
+        q_embed, k_embed = RoPEFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+    raise NotImplementedError(f"apply_rotary_pos_emb: unsqueeze_dim={unsqueeze_dim} is not supported; use 1 "
+                              f"(q, k as [batch, heads, tokens, head_dim], LLaMA's layout) or 2 "
+                              f"([batch, tokens, heads, head_dim])")
+
+
+def patch_llama_rope():
+    """Make transformers' LLaMA attention use the fused kernel; returns the function it replaced (to restore it:
+    `modeling_llama.apply_rotary_pos_emb = returned`).
+
+    LlamaAttention.forward calls the module-level name `apply_rotary_pos_emb` of
+    transformers.models.llama.modeling_llama, looked up at call time, so replacing that name switches every LLaMA
+    model in this process, already built or not. Other model families have their own copies and are untouched."""
+    from transformers.models.llama import modeling_llama
+    replaced = modeling_llama.apply_rotary_pos_emb
+    modeling_llama.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return replaced
+
+
+def llama_attention_count(model):
+    """How many modules of model call the patched function: its LlamaAttention layers (one per decoder layer).
+    The scripts check it against the layer count, so patching a model that is not a LLaMA fails loudly."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    return sum(isinstance(module, LlamaAttention) for module in model.modules())
