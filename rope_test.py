@@ -404,9 +404,10 @@ def check_llama_shape_gpu():
 
 
 def check_cpu_tensors_rejected_on_gpu():
-    q = torch.randn(1, 2, 3, 8)
+    q = torch.randn(1, 2, 3, 8)  # [batch, heads, tokens, head_dim] on the CPU
+    cos = torch.randn(1, 3, 8)  # [batch, tokens, head_dim]: valid shapes, so the device check is what fails
     with pytest.raises(ValueError, match="CUDA"):
-        apply_rotary_pos_emb(q, q, q[0], q[0])
+        apply_rotary_pos_emb(q, q, cos, cos)
 
 
 def check_int64_offsets_gpu():
