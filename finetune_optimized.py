@@ -82,6 +82,10 @@ def parse_args(argv=None):
     parser.add_argument("--loss", choices=["linear_ce", "ce"], default="linear_ce",
                         help="linear_ce: fused linear cross-entropy from the hidden states, no logits at all; "
                              "ce: fused cross-entropy on the lm_head logits (the playbook's configuration)")
+    parser.add_argument("--lce-chunk-size", type=int, default=None,
+                        help="rows per chunk of the fused linear cross-entropy; None = its default budget of chunk "
+                             "logits (LCE_CHUNK_BUDGET_BYTES: 768 rows for LLaMA-3's vocabulary). Smaller chunks: less "
+                             "memory, more dW passes")
     parser.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True,
                         help="replace every LlamaMLP by one with the fused SwiGLU kernel")
     parser.add_argument("--rope", action=argparse.BooleanOptionalAction, default=True,
@@ -90,6 +94,8 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "seq_len", "log_interval"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
+        parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
     if args.seq_len_search:
         try:
             args.seq_len_search = [int(x) for x in args.seq_len_search.split(",")]
@@ -268,11 +274,11 @@ def shift_labels_of(labels):
 # ----------------------------------------------------------------------------------------------------------------------
 # Loss: THE part the kernels change (compare with finetune_optimized.py)
 
-def compute_loss(model, input_ids, shift_labels, loss_impl):
+def compute_loss(model, input_ids, shift_labels, loss_impl, lce_chunk_size=None):
     if loss_impl == "linear_ce":
         # Run the decoder body only and let the loss multiply by lm_head's weight chunk by chunk: no [B*T, V] logits.
         hidden = model.model(input_ids=input_ids).last_hidden_state  # [B, T, H]
-        return linear_cross_entropy(hidden, model.lm_head.weight, shift_labels)
+        return linear_cross_entropy(hidden, model.lm_head.weight, shift_labels, chunk_size=lce_chunk_size)
     logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype
     # Same math as transformers' ForCausalLMLoss (fp32 loss, mean over non-ignored tokens) without an fp32 copy of the
     # logits. inplace_backward: the gradient overwrites the logits, which is safe because lm_head's backward needs
@@ -285,12 +291,12 @@ class ModelWithLoss(torch.nn.Module):
     parameters outside the decoder layers (embedding, final norm, lm_head) around ITS forward, and a loss that reads
     lm_head.weight outside lm_head's own forward (the fused linear cross-entropy) needs them gathered there."""
 
-    def __init__(self, model, loss_impl):
+    def __init__(self, model, loss_impl, lce_chunk_size=None):
         super().__init__()
-        self.model, self.loss_impl = model, loss_impl
+        self.model, self.loss_impl, self.lce_chunk_size = model, loss_impl, lce_chunk_size
 
     def forward(self, input_ids, shift_labels):
-        return compute_loss(self.model, input_ids, shift_labels, self.loss_impl)
+        return compute_loss(self.model, input_ids, shift_labels, self.loss_impl, self.lce_chunk_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -367,7 +373,7 @@ def main(argv=None):
     variant = "+".join(["rmsnorm", args.loss] + (["swiglu"] if args.swiglu else []) + (["rope"] if args.rope else []))
     loss_impl = args.loss
 
-    model_with_loss = ModelWithLoss(model, loss_impl)
+    model_with_loss = ModelWithLoss(model, loss_impl, args.lce_chunk_size)
     if args.fsdp:
         # FSDP2: every parameter is split across the ranks. Each decoder layer is one unit that all-gathers its
         # parameters just before its forward (and again for its backward), frees them after, and reduce-scatters
