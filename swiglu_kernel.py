@@ -37,6 +37,9 @@ Eager autograd saves gate (for silu's backward) AND silu(gate) and up (for the p
 [tokens, intermediate] tensors per layer. We save only gate and up and recompute sigmoid/silu from gate in the
 backward; it costs a few arithmetic instructions per element (free in a memory-bound kernel) and saves one tensor per
 layer: 8192 tokens * 14336 * 2 bytes = 235 MB per layer, 7.5 GB over LLaMA-3.1-8B's 32 layers.
+TritonLlamaMLP also lets the backward write dgate and dup over gate and up, whose last use it is
+(`inplace_backward`): the backward then allocates nothing, two such tensors fewer at the moment the backward of the
+first MLP starts, when every layer's activations are still alive (470 MB at 8192 tokens).
 
 Layout of this file: kernels -> launchers (validate, pick block sizes, launch) -> autograd Function -> `swiglu()` ->
 `TritonLlamaMLP` (drop-in for transformers' LlamaMLP) -> `replace_llama_mlp(model)`.
@@ -215,17 +218,25 @@ def swiglu_forward(gate, up, *, block_size=None, block_rows=None, num_warps=None
     return out
 
 
-def swiglu_backward(gate, up, dy, *, block_size=None, block_rows=None, num_warps=None):
-    """(dgate, dup) for out = silu(gate) * up, in fresh contiguous buffers of gate's dtype (the inputs are untouched,
-    so anything else still holding gate or up stays valid)."""
+def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=None, num_warps=None):
+    """(dgate, dup) for out = silu(gate) * up, in gate's dtype.
+
+    By default in fresh contiguous buffers (the inputs are untouched, so anything else still holding gate or up stays
+    valid). inplace=True writes dgate over gate and dup over up when both are contiguous and in separate storages
+    (each program reads its tile before writing the same addresses), so the backward allocates nothing: for a caller
+    whose gate and up are private intermediates, dead after this backward (TritonLlamaMLP's)."""
     _check_pair(gate, up, "swiglu_backward")
     if not isinstance(dy, torch.Tensor) or dy.shape != gate.shape:
         got = tuple(dy.shape) if isinstance(dy, torch.Tensor) else type(dy).__name__
         raise ValueError(f"swiglu_backward: dy must be a tensor of shape {tuple(gate.shape)}, got {got}")
     if dy.dtype != gate.dtype or dy.device != gate.device:
         raise TypeError(f"swiglu_backward: dy must be {gate.dtype} on {gate.device}, got {dy.dtype} on {dy.device}")
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    separate = gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()  # dgate and dup must not collide
+    if inplace and separate and gate.is_contiguous() and up.is_contiguous():
+        dgate, dup = gate, up
+    else:
+        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel() == 0:
         return dgate, dup
     gate2d, up2d, dy2d = _as_rows(gate), _as_rows(up), _as_rows(dy)
@@ -247,23 +258,39 @@ def swiglu_backward(gate, up, dy, *, block_size=None, block_rows=None, num_warps
 # ----------------------------------------------------------------------------------------------------------------
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, inplace_backward):
         out = swiglu_forward(gate, up)
         # Save the inputs only; silu(gate) is recomputed in the backward (one tensor per layer less than eager).
         ctx.save_for_backward(gate, up)
+        ctx.inplace_backward = inplace_backward
+        ctx.backward_done = False
         return out
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.inplace_backward and ctx.backward_done:
+            raise RuntimeError("swiglu(inplace_backward=True) overwrote its saved gate and up with their gradients in "
+                               "the first backward; recompute the forward instead of using retain_graph=True")
         gate, up = ctx.saved_tensors
-        return swiglu_backward(gate, up, dy)
+        dgate, dup = swiglu_backward(gate, up, dy, inplace=ctx.inplace_backward)
+        ctx.backward_done = True
+        if dgate is gate:
+            # The saved tensors now hold gradients: bump their version counters, so that anything else that saved
+            # them for its own backward fails loudly instead of reading gradients as activations.
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
+        return dgate, dup, None
 
 
-def swiglu(gate, up):
+def swiglu(gate, up, inplace_backward=False):
     """silu(gate) * up with transformers' LlamaMLP cast order, differentiable. gate, up: [..., intermediate] of the
     same shape, dtype (float32/bfloat16/float16) and device; rows may be strided (e.g. halves of a fused gate_up
-    projection). Returns a new contiguous tensor of gate's shape and dtype."""
-    return SwiGLUFunction.apply(gate, up)
+    projection). Returns a new contiguous tensor of gate's shape and dtype.
+
+    inplace_backward=True lets the backward write the gradients over gate and up (contiguous ones): two
+    [tokens, intermediate] buffers less at the start of each MLP's backward. Contract: gate and up are not used after
+    the backward (true of the projections' outputs inside an MLP), and the graph is not backpropagated twice."""
+    return SwiGLUFunction.apply(gate, up, inplace_backward)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,7 +330,8 @@ class TritonLlamaMLP(nn.Module):
         return new
 
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        # gate_proj(x) and up_proj(x) exist only here, so the backward may overwrite them with their gradients.
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 def _is_llama_mlp(module):

@@ -267,6 +267,43 @@ def check_replace_llama_mlp():
         torch.testing.assert_close(grads_after[name], grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def check_inplace_backward(dtype_name):
+    """inplace_backward=True: the same bits as the default, the gradients written over gate and up (no new buffers),
+    a clear error on a second backward, and fresh buffers when gate and up share one storage."""
+    seed_for("inplace_backward", dtype_name)
+    dtype = DTYPES[dtype_name]
+    x = torch.randn(6, 40, device=DEVICE, dtype=dtype, requires_grad=True)
+    w_gate, w_up = (torch.randn(40, 72, device=DEVICE, dtype=dtype) for _ in range(2))
+    dy = torch.randn(6, 72, device=DEVICE, dtype=dtype)
+
+    def run(inplace):
+        x.grad = None
+        gate, up = x @ w_gate, x @ w_up  # private intermediates, as inside an MLP
+        pointers = (gate.data_ptr(), up.data_ptr())
+        captured = {}
+        gate.register_hook(lambda g: captured.setdefault("dgate", g))
+        out = swiglu(gate, up, inplace_backward=inplace)
+        out.backward(dy, retain_graph=True)
+        return out.detach(), x.grad.clone(), captured["dgate"], pointers, out
+
+    out_ref, dx_ref, dgate_ref, _, _ = run(False)
+    out, dx, dgate, (gate_ptr, _), graph = run(True)
+    assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref) and torch.equal(dgate, dgate_ref)
+    assert dgate.data_ptr() == gate_ptr, "in-place backward must write dgate into gate's own buffer"
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        graph.backward(dy)
+    both = torch.randn(6, 144, device=DEVICE, dtype=dtype)  # gate and up: two halves of one (fused) projection
+    gate, up = both[:, :72].requires_grad_(), both[:, 72:].requires_grad_()
+    swiglu(gate, up, inplace_backward=True).backward(dy)
+    _, dgate_ref, dup_ref = ours(gate, up, dy)
+    assert torch.equal(gate.grad, dgate_ref) and torch.equal(up.grad, dup_ref)
+    same = torch.randn(6, 72, device=DEVICE, dtype=dtype)  # swiglu(g, g): dgate and dup must not share a buffer
+    gate = same.clone().requires_grad_()
+    swiglu(gate, gate, inplace_backward=True).backward(dy)
+    _, dgate_ref, dup_ref = ours(same, same, dy)
+    assert torch.equal(gate.grad, dgate_ref + dup_ref)
+
+
 # --- GPU only ---
 def check_llama_shape_gpu():
     """LLaMA-3.1-8B's MLP at 4 x 512 tokens, bf16: error rule and bit-for-bit cast order."""
@@ -344,6 +381,11 @@ def test_from_llama_mlp(dtype_name):
     check_from_llama_mlp(dtype_name)
 
 
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_inplace_backward(dtype_name):
+    check_inplace_backward(dtype_name)
+
+
 def test_non_silu_rejected():
     check_non_silu_rejected()
 
@@ -387,6 +429,8 @@ def _all_cases():
         yield f"bad_input {name}", check_bad_input, (name,), False
     for dtype_name in ("bf16", "fp32"):
         yield f"from_llama_mlp {dtype_name}", check_from_llama_mlp, (dtype_name,), False
+    for dtype_name in ("bf16", "fp32"):
+        yield f"inplace_backward {dtype_name}", check_inplace_backward, (dtype_name,), False
     yield "non_silu_rejected", check_non_silu_rejected, (), False
     yield "replace_llama_mlp", check_replace_llama_mlp, (), False
     yield "llama_shape_gpu [4*512, 14336] bf16", check_llama_shape_gpu, (), True
