@@ -231,8 +231,10 @@ def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=
         raise ValueError(f"swiglu_backward: dy must be a tensor of shape {tuple(gate.shape)}, got {got}")
     if dy.dtype != gate.dtype or dy.device != gate.device:
         raise TypeError(f"swiglu_backward: dy must be {gate.dtype} on {gate.device}, got {dy.dtype} on {dy.device}")
-    separate = gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()  # dgate and dup must not collide
-    if inplace and separate and gate.is_contiguous() and up.is_contiguous():
+    # In place only into two contiguous tensors of separate storages (dgate and dup must not collide). The storage
+    # lookups run only when asked for in-place: the default path is a hot path too.
+    if (inplace and gate.is_contiguous() and up.is_contiguous()
+            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()):
         dgate, dup = gate, up
     else:
         dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
