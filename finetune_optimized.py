@@ -40,7 +40,7 @@ from tqdm import tqdm
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from cross_entropy_kernel import cross_entropy, linear_cross_entropy
 from rmsnorm_kernel import replace_rmsnorm
-from rope_kernel import llama_attention_count, patch_llama_rope
+from rope_kernel import patch_llama_rope
 from swiglu_kernel import replace_llama_mlp
 
 import transformers
@@ -357,19 +357,13 @@ def main(argv=None):
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
 
     # --- what this script changes about the model: the fused kernels (counts checked: a no-op swap is an error) ------
-    replaced = {"rmsnorm": replace_rmsnorm(model)}  # collects every *RMSNorm first, then replaces each
-    if replaced["rmsnorm"] != 2 * n_layers + 1:  # two per decoder layer plus the final norm: 65 for 8B
-        raise SystemExit(f"error: replace_rmsnorm replaced {replaced['rmsnorm']} modules, expected {2 * n_layers + 1}")
+    # two RMSNorms per decoder layer plus the final norm (65 for 8B), one MLP and one attention per layer
+    replaced = {"rmsnorm": replace_rmsnorm(model, expected=2 * n_layers + 1)}
     if args.swiglu:
-        replaced["swiglu_mlp"] = replace_llama_mlp(model)
-        if replaced["swiglu_mlp"] != n_layers:
-            raise SystemExit(f"error: replace_llama_mlp replaced {replaced['swiglu_mlp']} modules, expected {n_layers}")
+        replaced["swiglu_mlp"] = replace_llama_mlp(model, expected=n_layers)
     if args.rope:
-        patch_llama_rope()  # process-wide: LlamaAttention looks the function up at call time
-        replaced["rope_attention"] = llama_attention_count(model)  # the layers that now call the fused kernel
-        if replaced["rope_attention"] != n_layers:
-            raise SystemExit(f"error: the RoPE patch reaches {replaced['rope_attention']} LlamaAttention modules, "
-                             f"expected {n_layers}")
+        patch_llama_rope(model, expected=n_layers)  # process-wide: LlamaAttention looks the function up at call time
+        replaced["rope_attention"] = n_layers
     variant = "+".join(["rmsnorm", args.loss] + (["swiglu"] if args.swiglu else []) + (["rope"] if args.rope else []))
     loss_impl = args.loss
 

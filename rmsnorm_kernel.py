@@ -320,16 +320,19 @@ class TritonRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-def replace_rmsnorm(model):
+def replace_rmsnorm(model, expected=None):
     """Swap every *RMSNorm submodule of `model` (LlamaRMSNorm in LLaMA) for a TritonRMSNorm sharing its weight.
 
     Modules are collected first and replaced afterwards: changing a module's children while iterating over
     named_modules() would skip or revisit some. Returns how many were replaced (65 for Llama-3.1-8B: two per
-    decoder layer plus the final norm)."""
+    decoder layer plus the final norm). With `expected`, a different count raises ValueError before anything is
+    replaced: a swap that silently misses modules (another architecture, a renamed class) is an error."""
     targets = [
         (name, module) for name, module in model.named_modules()
         if type(module).__name__.endswith("RMSNorm") and not isinstance(module, TritonRMSNorm)
     ]
+    if expected is not None and len(targets) != expected:
+        raise ValueError(f"replace_rmsnorm: found {len(targets)} RMSNorm modules to replace, expected {expected}")
     for name, module in targets:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

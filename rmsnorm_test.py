@@ -217,8 +217,12 @@ def test_replace_rmsnorm_in_a_llama_model():
     with torch.no_grad():
         logits_before = model(input_ids).logits
 
-    replaced = replace_rmsnorm(model)
-    assert replaced == 2 * config.num_hidden_layers + 1
+    expected = 2 * config.num_hidden_layers + 1
+    with pytest.raises(ValueError, match=f"found {expected} RMSNorm modules to replace, expected {expected + 1}"):
+        replace_rmsnorm(model, expected=expected + 1)
+    assert not any(isinstance(m, TritonRMSNorm) for m in model.modules()), "a refused replace must change nothing"
+    replaced = replace_rmsnorm(model, expected=expected)
+    assert replaced == expected
     assert sum(isinstance(m, TritonRMSNorm) for m in model.modules()) == replaced
     assert list(model.state_dict()) == keys_before
     assert all(p is params_before[name] for name, p in model.named_parameters())

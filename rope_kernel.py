@@ -49,7 +49,7 @@ outputs are allocated with `torch.empty_like`, which keeps the input's layout: a
 eager. cos/sin may broadcast over the batch (their batch stride is then 0). Offsets are int64.
 
 Layout of this file: kernel -> launchers (validate, pick block sizes, launch) -> autograd Function ->
-`apply_rotary_pos_emb` (drop-in for transformers' function) -> `patch_llama_rope()` (and `llama_attention_count`).
+`apply_rotary_pos_emb` (drop-in for transformers' function) -> `patch_llama_rope()` (checks the model's LlamaAttention count).
 """
 import contextlib
 import functools
@@ -354,13 +354,22 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
                               f"([batch, tokens, heads, head_dim])")
 
 
-def patch_llama_rope():
+def patch_llama_rope(model=None, expected=None):
     """Make transformers' LLaMA attention use the fused kernel; returns the function it replaced (to restore it:
     `modeling_llama.apply_rotary_pos_emb = returned`).
 
     LlamaAttention.forward calls the module-level name `apply_rotary_pos_emb` of
     transformers.models.llama.modeling_llama, looked up at call time, so replacing that name switches every LLaMA
-    model in this process, already built or not. Other model families have their own copies and are untouched."""
+    model in this process, already built or not. Other model families have their own copies and are untouched, so
+    the patch alone cannot tell whether it reaches a given model: pass `model` and `expected` (its decoder layer
+    count) to raise ValueError, before patching, unless that many of its modules are LlamaAttention layers."""
+    if expected is not None:
+        if model is None:
+            raise ValueError("patch_llama_rope: expected= needs the model whose attention layers to count")
+        found = llama_attention_count(model)
+        if found != expected:
+            raise ValueError(f"patch_llama_rope: the model has {found} LlamaAttention modules that would call the "
+                             f"fused kernel, expected {expected}")
     from transformers.models.llama import modeling_llama
     replaced = modeling_llama.apply_rotary_pos_emb
     modeling_llama.apply_rotary_pos_emb = apply_rotary_pos_emb
@@ -368,7 +377,6 @@ def patch_llama_rope():
 
 
 def llama_attention_count(model):
-    """How many modules of model call the patched function: its LlamaAttention layers (one per decoder layer).
-    The scripts check it against the layer count, so patching a model that is not a LLaMA fails loudly."""
+    """How many modules of model call the patched function: its LlamaAttention layers (one per decoder layer)."""
     from transformers.models.llama.modeling_llama import LlamaAttention
     return sum(isinstance(module, LlamaAttention) for module in model.modules())

@@ -366,10 +366,15 @@ def check_patch_llama(dtype_name):
     launches = []
     original_forward = rope_kernel.rope_forward
     rope_kernel.rope_forward = lambda *a, **kw: launches.append(1) or original_forward(*a, **kw)  # counts calls
-    replaced = patch_llama_rope()
+    # a count that does not match the model refuses to patch (a model that is not a LLaMA would never call it)
+    with pytest.raises(ValueError, match="has 2 LlamaAttention modules .* expected 3"):
+        patch_llama_rope(model, expected=3)
+    with pytest.raises(ValueError, match="needs the model"):
+        patch_llama_rope(expected=2)
+    assert modeling_llama.apply_rotary_pos_emb is HF_APPLY_ROPE, "a refused patch must change nothing"
+    replaced = patch_llama_rope(model, expected=2)
     try:
         assert replaced is HF_APPLY_ROPE and modeling_llama.apply_rotary_pos_emb is apply_rotary_pos_emb
-        assert rope_kernel.llama_attention_count(model) == 2
         ours = _loss_and_grads(model, input_ids)
     finally:
         modeling_llama.apply_rotary_pos_emb = replaced

@@ -341,11 +341,14 @@ def _is_llama_mlp(module):
     return any(cls.__name__ == "LlamaMLP" for cls in type(module).__mro__)
 
 
-def replace_llama_mlp(model):
+def replace_llama_mlp(model, expected=None):
     """Swap every LlamaMLP inside model for a TritonLlamaMLP that reuses its Linear layers; returns how many.
     All targets are collected first (replacing while iterating named_modules would mutate what we iterate) and all
-    replacements are built before any is installed, so an unsupported MLP leaves the model untouched."""
+    replacements are built before any is installed, so an unsupported MLP leaves the model untouched. With
+    `expected`, a different count raises ValueError before anything is replaced."""
     targets = [(name, module) for name, module in model.named_modules() if _is_llama_mlp(module)]
+    if expected is not None and len(targets) != expected:
+        raise ValueError(f"replace_llama_mlp: found {len(targets)} LlamaMLP modules to replace, expected {expected}")
     if any(name == "" for name, _ in targets):
         raise ValueError("replace_llama_mlp: the model itself is a LlamaMLP; use TritonLlamaMLP.from_llama_mlp(mlp)")
     replacements = [(name, TritonLlamaMLP.from_llama_mlp(module)) for name, module in targets]

@@ -254,7 +254,10 @@ def check_replace_llama_mlp():
     logits_before, grads_before = loss_and_grads()
     params_before, keys_before = dict(model.named_parameters()), list(model.state_dict())
 
-    assert replace_llama_mlp(model) == 2
+    with pytest.raises(ValueError, match="found 2 LlamaMLP modules to replace, expected 3"):
+        replace_llama_mlp(model, expected=3)
+    assert not any(isinstance(layer.mlp, TritonLlamaMLP) for layer in model.model.layers), "refused: no change"
+    assert replace_llama_mlp(model, expected=2) == 2
     assert all(isinstance(layer.mlp, TritonLlamaMLP) for layer in model.model.layers)
     params_after = dict(model.named_parameters())
     assert params_after.keys() == params_before.keys()

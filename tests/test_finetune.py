@@ -116,12 +116,11 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
     ref_loss, ref_grads = loss_and_grads(lambda: model(input_ids=input_ids, labels=labels).loss, model)
 
     # In place, reusing the same parameters (as the script does); the RoPE patch is process-wide: restored after.
-    assert finetune_optimized.replace_rmsnorm(model) == 5
-    assert finetune_optimized.replace_llama_mlp(model) == 2
+    assert finetune_optimized.replace_rmsnorm(model, expected=5) == 5
+    assert finetune_optimized.replace_llama_mlp(model, expected=2) == 2
     shift_labels = finetune_optimized.shift_labels_of(labels)
-    original_rope = finetune_optimized.patch_llama_rope()
+    original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
     try:
-        assert finetune_optimized.llama_attention_count(model) == 2
         loss, grads = loss_and_grads(
             lambda: finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl), model)
     finally:
