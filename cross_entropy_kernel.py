@@ -103,9 +103,9 @@ def _cross_entropy_kernel(
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
     chunk_offsets = tl.arange(0, N_LANES)[:, None] * LANE_WIDTH + tl.arange(0, LANE_WIDTH)[None, :]
 
-    # Program p walks over rows p, p + P, ... (P = number of programs, capped by the launcher). Pass 2 re-reads the
-    # row it just read: the fewer rows in flight, the more of them are still in L2 (50 MB) then. The launcher's cap
-    # is a measured trade-off between that and having enough loads in flight (see _PROGRAMS_PER_SM).
+    # Program p walks over rows p, p + P, ... (P = number of programs, capped by the launcher). Pass 2 re-reads the row
+    # it just read: the fewer rows in flight, the more of them are still in L2 (60 MiB on an H200) then. The launcher's
+    # cap is a measured trade-off between that and having enough loads in flight (see _PROGRAMS_PER_SM).
     for row_index in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
         # int64 BEFORE multiplying by strides: row * V overflows int32 once the logits hold more than 2^31 elements,
         # and the pointer arithmetic would silently wrap to another row.
@@ -227,23 +227,22 @@ def _pick_block_v(V, device_type):
     return min(cap, triton.next_power_of_2(max(V, 1)))
 
 
-# Launch shape, measured on an H200 (16384 x 128256 bf16 logits, loss + gradient in place; 50 shapes swept):
-# 8192-wide chunks of 8-column lanes, 16 warps (16 values per thread per chunk), no software pipelining (16 warps
-# already keep enough loads in flight) and up to 128 programs per multiprocessor, in practice one program per row:
-# 2.99 ms = 66 % of copy bandwidth over the 2 * N * V * 2 bytes. Pass 1 alone (loss only) then reads at HBM speed
-# (1.03 ms for 4.2 GB), and pass 2 re-reads the rows from HBM rather than L2 (one program per row keeps ~1000 rows in
-# flight, far more than L2 holds), so the kernel moves 3 * N * V * 2 bytes and sits at that traffic's copy-speed
-# bound (67 %). Fewer programs (1, 2 or 4 per SM) keep the rows in L2 for pass 2 but cannot keep enough loads in
-# flight: 3.1-4.8 ms. Reducing whole chunks instead of lanes (LANE_WIDTH = BLOCK_V: a max and a sum across the
-# program per chunk, each a barrier) took 3.45 ms, its loss-only pass 1.33 ms. Liger's kernel: 3.59 ms, same run.
-# Splitting each row over 2-16 programs that publish their segment's log-sum-exp and write the gradient of a segment
-# a few rows back (so that its re-read is recent), scheduled by program id or by an atomic ticket, persistent or not
-# (six variants, ~250 launch shapes): 3.09 ms at best against 2.99 ms for this kernel in the same run; the per-segment
-# handshake and the lower occupancy cost more than the shorter re-read distance saves. Keeping the first 64 K columns
-# of each row in registers between the passes (bf16 pairs packed as int32, one 32-warp program per multiprocessor, the
-# next row's head loaded while this row's tail gradient is written), so that only the tail is re-read: 3.19 ms at
-# best, 3.5-4.5 ms with the tail loops software-pipelined; one program per multiprocessor leaves its loads idle while
-# it computes.
+# Launch shape, measured on an H200 (16384 x 128256 bf16 logits, loss + gradient in place; 50 shapes swept): 8192-wide
+# chunks of 8-column lanes, 16 warps (16 values per thread per chunk), no software pipelining (16 warps already keep
+# enough loads in flight) and up to 128 programs per multiprocessor, in practice one program per row: 2.99 ms = 66 % of
+# copy bandwidth over the 2 * N * V * 2 bytes. Pass 1 alone (loss only) then reads at HBM speed (1.03 ms for 4.2 GB),
+# and pass 2 re-reads the rows from HBM rather than L2 (four 16-warp programs per multiprocessor keep 528 rows = 135 MB
+# in flight, far more than L2 holds), so the kernel moves 3 * N * V * 2 bytes and sits at that traffic's copy-speed
+# bound (67 %). Fewer programs (1 or 2 per SM) keep more of the rows in L2 for pass 2 but cannot keep enough loads in
+# flight: 3.1-4.8 ms. Reducing whole chunks instead of lanes (LANE_WIDTH = BLOCK_V: a max and a sum across the program
+# per chunk, each a barrier) took 3.45 ms, its loss-only pass 1.33 ms. Liger's kernel: 3.59 ms, same run. Splitting each
+# row over 2-16 programs that publish their segment's log-sum-exp and write the gradient of a segment a few rows back
+# (so that its re-read is recent), scheduled by program id or by an atomic ticket, persistent or not (six variants, ~250
+# launch shapes): 3.09 ms at best against 2.99 ms for this kernel in the same run; the per-segment handshake and the
+# lower occupancy cost more than the shorter re-read distance saves. Keeping the first 64 K columns of each row in
+# registers between the passes (bf16 pairs packed as int32, one 32-warp program per multiprocessor, the next row's head
+# loaded while this row's tail gradient is written), so that only the tail is re-read: 3.19 ms at best, 3.5-4.5 ms with
+# the tail loops software-pipelined; one program per multiprocessor leaves its loads idle while it computes.
 _PROGRAMS_PER_SM = 128
 _NUM_STAGES = 1
 _LANE_WIDTH = 8
