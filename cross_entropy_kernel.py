@@ -75,6 +75,53 @@ _REDUCTIONS = ("mean", "sum", "none")
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _exp2(x, FAST_EXP2: tl.constexpr):
+    """2^x. On the GPU one MUFU.EX2 instruction with flush-to-zero: tl.exp2 (and tl.exp) lower to ex2.approx.f32,
+    which ptxas wraps in four more instructions to produce results below 2^-126 exactly. Those are softmax values
+    under 1e-38, far below what any gradient check can see, so flushing them to 0 is harmless. The interpreter has
+    no inline PTX and uses tl.exp2."""
+    if FAST_EXP2:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2: tl.constexpr):
+    """Fold one [N_LANES, LANE_WIDTH] chunk into each lane's running max and running sum of exp(x - max).
+
+    exp(y) is computed as 2^(y * log2(e)). The max is subtracted first, in natural units: x - max is exact for the
+    values that matter (those close to the max), whereas folding the shift into one multiply-add (x*log2(e) - c)
+    would round c = max*log2(e), an error of 1e-3 in the exponent for logits of 1e4. A lane that has only seen
+    padding (-inf) keeps max -inf; shifting by 0 then avoids -inf - (-inf) = NaN (every term is 2^-inf = 0 anyway).
+    The old sum is rescaled to the new max BEFORE this chunk is added: every exponent is <= 0, so nothing
+    overflows."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    new_max = tl.maximum(lane_max, tl.max(x, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    chunk_sum = tl.sum(_exp2((x - shift[:, None]) * LOG2E, FAST_EXP2), axis=1)
+    return new_max, lane_sum * _exp2((lane_max - shift) * LOG2E, FAST_EXP2) + chunk_sum
+
+
+@triton.jit
+def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
+                      HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+    """scale * (softmax(x) - eps / V) without the one-hot term (added once per row by the caller).
+
+    softmax(x) = exp(x - lse) = 2^((x - row_max) * log2(e) - log2(sum)), with sum = sum_j exp(x_j - row_max): a
+    subtraction, one fused multiply-add and one exp2. With a positive scale the caller folds log2(scale) into the
+    offset as well (scale * 2^y = 2^(y + log2(scale))); otherwise the scale is a multiply."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
+    if not POSITIVE_SCALE:
+        grad = grad * scale
+    if HAS_SMOOTHING:
+        grad = grad - smoothing_term
+    return grad
+
+
+@triton.jit
 def _cross_entropy_kernel(
     logits_ptr,  # [N, V] rows (any row strides, unit column stride), fp32/bf16/fp16
     grad_ptr,  # where dlogits goes: its own buffer, or logits_ptr itself (in-place mode)
@@ -92,20 +139,28 @@ def _cross_entropy_kernel(
     label_smoothing,
     BLOCK_V: tl.constexpr,  # vocabulary chunk handled per loop step (power of 2)
     LANE_WIDTH: tl.constexpr,  # consecutive columns that share one running max/sum (power of 2, divides BLOCK_V)
-    NUM_STAGES: tl.constexpr,  # software pipelining depth of the chunk loops (loads issued ahead of use)
     HAS_SMOOTHING: tl.constexpr,  # label_smoothing > 0: also accumulate sum(x)
     COMPUTE_GRAD: tl.constexpr,  # run pass 2 (logits need a gradient); otherwise only the loss
+    POSITIVE_SCALE: tl.constexpr,  # the scale is known to be > 0 (a reduction's 1/n or 1), so it folds into exp2
+    FAST_EXP2: tl.constexpr,  # one-instruction exp2 (GPU); tl.exp2 on the interpreter
 ):
+    LOG2E: tl.constexpr = 1.4426950408889634
     # A chunk of BLOCK_V columns is handled as a [BLOCK_V // LANE_WIDTH, LANE_WIDTH] tile: row r of the tile holds
     # columns r*LANE_WIDTH .. r*LANE_WIDTH + LANE_WIDTH - 1 of the chunk. Each tile row is one "lane" with its own
     # running max and sum. Triton gives each thread whole tile rows (8 bf16 = one 16-byte load), so reducing a tile
-    # row (axis=1) stays inside one thread: no shuffles, no shared memory, no barrier in the streaming loop.
+    # row (axis=1) stays inside one thread: no shuffles, no shared memory, no barrier in the streaming loops.
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
     chunk_offsets = tl.arange(0, N_LANES)[:, None] * LANE_WIDTH + tl.arange(0, LANE_WIDTH)[None, :]
+    # The row is n_full whole chunks, read without masks (a mask costs instructions on every value), then one
+    # partial chunk, masked (all masked off when V is a multiple of BLOCK_V).
+    n_full = V // BLOCK_V
+    full_cols = n_full * BLOCK_V
+    partial_offsets = full_cols + chunk_offsets
+    partial_mask = partial_offsets < V
 
     # Program p walks over rows p, p + P, ... (P = number of programs, capped by the launcher). Pass 2 re-reads the row
-    # it just read: the fewer rows in flight, the more of them are still in L2 (60 MiB on an H200) then. The launcher's
-    # cap is a measured trade-off between that and having enough loads in flight (see _PROGRAMS_PER_SM).
+    # it just read: the fewer rows in flight, the more of it is still in L2 (60 MiB on an H200); see the launch
+    # comment for the measured trade-off.
     for row_index in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
         # int64 BEFORE multiplying by strides: row * V overflows int32 once the logits hold more than 2^31 elements,
         # and the pointer arithmetic would silently wrap to another row.
@@ -134,25 +189,22 @@ def _cross_entropy_kernel(
             lane_sum = tl.zeros([N_LANES], dtype=tl.float32)  # sum of exp(x - lane_max) over the lane's columns
             # Label smoothing needs sum(x): kept per element and reduced once at the end, not once per chunk.
             sum_x_tile = tl.zeros([N_LANES, LANE_WIDTH], dtype=tl.float32)
-            for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
-                offs = start + chunk_offsets
-                mask = offs < V  # the last chunk is partial when V is not a multiple of BLOCK_V
-                # Masked columns read -inf so they count as exp(-inf) = 0. evict_last: keep the row in L2 for pass 2.
-                x = tl.load(logits_row + offs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
-                x = x.to(tl.float32)
-                new_max = tl.maximum(lane_max, tl.max(x, axis=1))
-                # A lane that has only seen padding still has max -inf, and exp(-inf - (-inf)) would be NaN: shift by
-                # 0 instead (every term is exp(-inf) = 0 anyway).
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                # Rescale the old sum to the new max BEFORE adding this chunk: exp(lane_max - shift) <= 1, and 0 on
-                # the first chunk. Every exponent is <= 0, so nothing overflows. One exp per column plus one per lane.
-                lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
-                lane_max = new_max
+            for i in tl.range(0, n_full):
+                # evict_last: keep the row in L2 for pass 2.
+                x = tl.load(logits_row + i * BLOCK_V + chunk_offsets, eviction_policy="evict_last").to(tl.float32)
+                lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
                 if HAS_SMOOTHING:
-                    sum_x_tile += tl.where(mask, x, 0.0)
+                    sum_x_tile += x
+            # The partial chunk; masked columns read -inf so they count as exp(-inf) = 0. Pass 2 reuses these values.
+            x_partial = tl.load(logits_row + partial_offsets, mask=partial_mask, other=float("-inf"),
+                                eviction_policy="evict_last").to(tl.float32)
+            lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
+            if HAS_SMOOTHING:
+                sum_x_tile += tl.where(partial_mask, x_partial, 0.0)
             # Combine the lanes once per row: the row max, and every lane's sum rescaled to it.
             row_max = tl.max(lane_max, axis=0)
-            lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0))
+            row_sum = tl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
+            lse = row_max + tl.log(row_sum)
 
             if HAS_SMOOTHING:
                 sum_x = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
@@ -161,26 +213,32 @@ def _cross_entropy_kernel(
                 loss = lse - x_target
             tl.store(losses_ptr + row, tl.where(target_ok, loss, float("nan")))
 
-            # ---- pass 2: gradient --------------------------------------------------------------------------------
+            # ---- pass 2: gradient, dx_j = scale * (softmax_j - eps / V), the target's entry fixed last ------------
             if COMPUTE_GRAD:
                 scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
-                num_chunks = tl.cdiv(V, BLOCK_V)
-                for i in tl.range(0, num_chunks, num_stages=NUM_STAGES):
-                    # Reverse order: the chunks pass 1 read last are the most likely to still sit in L2.
-                    start = (num_chunks - 1 - i) * BLOCK_V
-                    offs = start + chunk_offsets
-                    mask = offs < V
+                exponent_offset = tl.log2(row_sum)
+                if POSITIVE_SCALE:
+                    exponent_offset -= tl.log2(scale)
+                exponent_offset = tl.where(target_ok, exponent_offset, float("nan"))  # bad target: NaN gradient
+                smoothing_term = scale * (label_smoothing / V)
+                grad = _softmax_gradient(x_partial, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
+                                         HAS_SMOOTHING, FAST_EXP2)
+                tl.store(grad_row + partial_offsets, grad.to(grad_ptr.dtype.element_ty), mask=partial_mask)
+                # Whole chunks in reverse order: the chunks pass 1 read last are the likeliest to still be in L2.
+                # In in-place mode grad_row == logits_row: each chunk is overwritten only after it was read.
+                for i in tl.range(0, n_full):
+                    offsets = (n_full - 1 - i) * BLOCK_V + chunk_offsets
                     # evict_first: this is the last use of the logits, let them leave L2 before anything else.
-                    x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-                    softmax = tl.exp(x.to(tl.float32) - lse)
-                    if HAS_SMOOTHING:
-                        grad = softmax - tl.where(offs == target, 1.0 - label_smoothing, 0.0) - label_smoothing / V
-                    else:
-                        grad = softmax - tl.where(offs == target, 1.0, 0.0)
-                    grad = tl.where(target_ok, grad * scale, float("nan"))
-                    # In in-place mode grad_row == logits_row: this chunk has just been read, so overwriting it is
-                    # safe.
-                    tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+                    x = tl.load(logits_row + offsets, eviction_policy="evict_first").to(tl.float32)
+                    grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
+                                             HAS_SMOOTHING, FAST_EXP2)
+                    tl.store(grad_row + offsets, grad.to(grad_ptr.dtype.element_ty))
+                # The one-hot term, -scale * (1 - eps) at the target only: one store instead of a comparison on every
+                # value. The barrier orders it after every thread's store of this row (one of which wrote that entry).
+                tl.debug_barrier()
+                target_grad = _softmax_gradient(x_target, row_max, exponent_offset, scale, smoothing_term,
+                                                POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2) - scale * (1.0 - label_smoothing)
+                tl.store(grad_row + target, target_grad.to(grad_ptr.dtype.element_ty), mask=target_ok)
 
 
 @triton.jit
@@ -227,26 +285,10 @@ def _pick_block_v(V, device_type):
     return min(cap, triton.next_power_of_2(max(V, 1)))
 
 
-# Launch shape, measured on an H200 (16384 x 128256 bf16 logits, loss + gradient in place; 50 shapes swept): 8192-wide
-# chunks of 8-column lanes, 16 warps (16 values per thread per chunk), no software pipelining (16 warps already keep
-# enough loads in flight) and up to 128 programs per multiprocessor, in practice one program per row: 2.99 ms = 66 % of
-# copy bandwidth over the 2 * N * V * 2 bytes. Pass 1 alone (loss only) then reads at HBM speed (1.03 ms for 4.2 GB),
-# and pass 2 re-reads the rows from HBM rather than L2 (four 16-warp programs per multiprocessor keep 528 rows = 135 MB
-# in flight, far more than L2 holds), so the kernel moves 3 * N * V * 2 bytes and sits at that traffic's copy-speed
-# bound (67 %). Fewer programs (1 or 2 per SM) keep more of the rows in L2 for pass 2 but cannot keep enough loads in
-# flight: 3.1-4.8 ms. Reducing whole chunks instead of lanes (LANE_WIDTH = BLOCK_V: a max and a sum across the program
-# per chunk, each a barrier) took 3.45 ms, its loss-only pass 1.33 ms. Liger's kernel: 3.59 ms, same run. Splitting each
-# row over 2-16 programs that publish their segment's log-sum-exp and write the gradient of a segment a few rows back
-# (so that its re-read is recent), scheduled by program id or by an atomic ticket, persistent or not (six variants, ~250
-# launch shapes): 3.09 ms at best against 2.99 ms for this kernel in the same run; the per-segment handshake and the
-# lower occupancy cost more than the shorter re-read distance saves. Keeping the first 64 K columns of each row in
-# registers between the passes (bf16 pairs packed as int32, one 32-warp program per multiprocessor, the next row's head
-# loaded while this row's tail gradient is written), so that only the tail is re-read: 3.19 ms at best, 3.5-4.5 ms with
-# the tail loops software-pipelined; one program per multiprocessor leaves its loads idle while it computes.
+# LAUNCH SHAPE COMMENT (to be written from the measurements)
 _PROGRAMS_PER_SM = 128
-_NUM_STAGES = 1
 _LANE_WIDTH = 8
-_NUM_WARPS = 16
+_NUM_WARPS = 32
 
 
 def _pick_num_warps(block):
@@ -290,10 +332,12 @@ def _row_layout(x):
 
 
 def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_stride, ignore_index, label_smoothing,
-                          block_v=None, lane_width=None, num_warps=None, num_stages=None, programs_per_sm=None):
+                          positive_scale=True, block_v=None, lane_width=None, num_warps=None, programs_per_sm=None,
+                          maxnreg=None):
     """Launch the kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
     losses [N] fp32, grad (same shape as logits, or None for loss only), scale fp32 device tensor.
-    The keyword overrides are for tuning sweeps."""
+    positive_scale=False when the scale can be <= 0 (a user's grad_output). The keyword overrides are for tuning
+    sweeps."""
     V = logits.shape[-1]
     n_rows = targets_flat.numel()
     if n_rows == 0:
@@ -313,9 +357,9 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
         logits, grad if compute_grad else logits, targets_flat, losses, scale,
         n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
         targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing),
-        BLOCK_V=block_v, LANE_WIDTH=min(lane_width or _LANE_WIDTH, block_v), NUM_STAGES=num_stages or _NUM_STAGES,
-        HAS_SMOOTHING=label_smoothing > 0.0,
-        COMPUTE_GRAD=compute_grad, num_warps=num_warps,
+        BLOCK_V=block_v, LANE_WIDTH=min(lane_width or _LANE_WIDTH, block_v), HAS_SMOOTHING=label_smoothing > 0.0,
+        COMPUTE_GRAD=compute_grad, POSITIVE_SCALE=positive_scale, FAST_EXP2=logits.device.type == "cuda",
+        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 
 
@@ -378,7 +422,7 @@ def _cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean",
     """Internal API (benchmark sweeps call it directly): returns (loss, grad_logits or None), no autograd.
 
     The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1.
-    `launch_overrides` (block_v, lane_width, num_warps, num_stages, programs_per_sm) override the launch heuristics.
+    `launch_overrides` (block_v, lane_width, num_warps, programs_per_sm, maxnreg) override the launch heuristics.
     """
     _validate_cross_entropy(logits, targets, reduction, label_smoothing)
     if check_targets:
@@ -546,8 +590,10 @@ def _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, lab
 
 
 def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, scale_stride, want_dh, want_dw,
-                                 want_db, chunk_rows, ignore_index, label_smoothing, **launch_overrides):
-    """The chunk loop. Fills losses [N] and returns (dh, dW, db) (None where not wanted), scaled by `scale`."""
+                                 want_db, chunk_rows, ignore_index, label_smoothing, positive_scale=True,
+                                 **launch_overrides):
+    """The chunk loop. Fills losses [N] and returns (dh, dW, db) (None where not wanted), scaled by `scale`
+    (positive_scale=False when it is a user's grad_output, which may be <= 0)."""
     n_rows, V = h.shape[0], weight.shape[0]
     compute_grad = want_dh or want_dw or want_db
     dh = torch.empty_like(h) if want_dh else None
@@ -568,7 +614,7 @@ def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, s
         chunk_scale = scale[start:end] if scale_stride else scale
         _launch_cross_entropy(logits_c, targets_flat[start:end], losses[start:end],
                               logits_c if compute_grad else None, chunk_scale, scale_stride, ignore_index,
-                              label_smoothing, **launch_overrides)
+                              label_smoothing, positive_scale, **launch_overrides)
         if not compute_grad:
             continue
         dlogits_c = logits_c  # the kernel overwrote the chunk's logits with their gradient
@@ -626,7 +672,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             scratch_losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
             dh, dw, db = _linear_cross_entropy_chunks(h, weight, bias, targets_flat, scratch_losses, scale,
                                                       scale.stride(0), *ctx.wants, chunk_rows, ignore_index,
-                                                      label_smoothing)
+                                                      label_smoothing, positive_scale=False)
         else:
             if ctx.grads is None:
                 raise RuntimeError("the fused linear cross-entropy backward scales its stored gradients in place and "
