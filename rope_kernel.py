@@ -49,7 +49,8 @@ outputs are allocated with `torch.empty_like`, which keeps the input's layout: a
 eager. cos/sin may broadcast over the batch (their batch stride is then 0). Offsets are int64.
 
 Layout of this file: kernel -> launchers (validate, pick block sizes, launch) -> autograd Function ->
-`apply_rotary_pos_emb` (drop-in for transformers' function) -> `patch_llama_rope()` (checks the model's LlamaAttention count).
+`apply_rotary_pos_emb` (drop-in for transformers' function) -> `patch_llama_rope()` (can check the model's
+LlamaAttention count first).
 """
 import contextlib
 import functools
