@@ -46,8 +46,9 @@ Instructions per logit: the second bottleneck
 Memory-bound does not mean the arithmetic is free. Nsight Compute on the first version of this kernel (H200, 16384
 rows) showed the schedulers issuing on 72 % of cycles, about 33 instructions per logit, for what is a handful of
 operations. The machine code (cuobjdump -sass) showed where they went, and the kernel now avoids each:
-- `tl.exp` is `ex2.approx.f32` of x * log2(e), and ptxas wraps that in four more instructions to get results below
-  2^-126 exactly: six per exp. `_exp2` below issues the flush-to-zero form, one MUFU.EX2 instruction.
+- `tl.exp(y)` is a multiply by log2(e) and `ex2.approx.f32`, which ptxas expands into four instructions (a range
+  check and two multiplies around MUFU.EX2) so that results below 2^-126 come out exact: five per exp, six with the
+  subtraction. `_exp2` below issues the flush-to-zero form, the single MUFU.EX2.
 - The one-hot term `where(column == target, 1, 0)` compared 64-bit column indices: five instructions on every value.
   Pass 2 now writes softmax only, and one scalar store after a barrier fixes the target's entry.
 - Masks (`offsets < V`) on every chunk: only the last, partial chunk is masked now.
@@ -91,7 +92,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 @triton.jit
 def _exp2(x, FAST_EXP2: tl.constexpr):
     """2^x. On the GPU one MUFU.EX2 instruction with flush-to-zero: tl.exp2 (and tl.exp) lower to ex2.approx.f32,
-    which ptxas wraps in four more instructions to produce results below 2^-126 exactly. Those are softmax values
+    which ptxas expands into four instructions to produce results below 2^-126 exactly. Those are softmax values
     under 1e-38, far below what any gradient check can see, so flushing them to 0 is harmless. The interpreter has
     no inline PTX and uses tl.exp2."""
     if FAST_EXP2:
