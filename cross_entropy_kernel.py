@@ -84,6 +84,8 @@ import triton  # noqa: E402  (must come after TRITON_INTERPRET is set)
 import triton.language as tl  # noqa: E402
 
 _REDUCTIONS = ("mean", "sum", "none")
+# exp(y) = 2^(y * log2(e)): the kernels work in base 2 (see _exp2). A tl.constexpr so that @triton.jit code can read it.
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -112,7 +114,6 @@ def _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2: tl.constexpr):
     padding (-inf) keeps max -inf; shifting by 0 then avoids -inf - (-inf) = NaN (every term is 2^-inf = 0 anyway).
     The old sum is rescaled to the new max BEFORE this chunk is added: every exponent is <= 0, so nothing
     overflows."""
-    LOG2E: tl.constexpr = 1.4426950408889634
     new_max = tl.maximum(lane_max, tl.max(x, axis=1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
     chunk_sum = tl.sum(_exp2((x - shift[:, None]) * LOG2E, FAST_EXP2), axis=1)
@@ -127,7 +128,6 @@ def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITI
     softmax(x) = exp(x - lse) = 2^((x - row_max) * log2(e) - log2(sum)), with sum = sum_j exp(x_j - row_max): a
     subtraction, one fused multiply-add and one exp2. With a positive scale the caller folds log2(scale) into the
     offset as well (scale * 2^y = 2^(y + log2(scale))); otherwise the scale is a multiply."""
-    LOG2E: tl.constexpr = 1.4426950408889634
     grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
     if not POSITIVE_SCALE:
         grad = grad * scale
@@ -159,7 +159,6 @@ def _cross_entropy_kernel(
     POSITIVE_SCALE: tl.constexpr,  # the scale is known to be > 0 (a reduction's 1/n or 1), so it folds into exp2
     FAST_EXP2: tl.constexpr,  # one-instruction exp2 (GPU); tl.exp2 on the interpreter
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
     # A chunk of BLOCK_V columns is handled as a [BLOCK_V // LANE_WIDTH, LANE_WIDTH] tile: row r of the tile holds
     # columns r*LANE_WIDTH .. r*LANE_WIDTH + LANE_WIDTH - 1 of the chunk. Each tile row is one "lane" with its own
     # running max and sum. Triton gives each thread whole tile rows (8 bf16 = one 16-byte load), so reducing a tile
