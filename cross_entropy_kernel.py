@@ -158,6 +158,7 @@ def _cross_entropy_kernel(
     COMPUTE_GRAD: tl.constexpr,  # run pass 2 (logits need a gradient); otherwise only the loss
     POSITIVE_SCALE: tl.constexpr,  # the scale is known to be > 0 (a reduction's 1/n or 1), so it folds into exp2
     FAST_EXP2: tl.constexpr,  # one-instruction exp2 (GPU); tl.exp2 on the interpreter
+    CHUNKS_PER_STEP: tl.constexpr,  # 1 or 2 chunks loaded per loop step, i.e. in flight per thread (see the launcher)
 ):
     # A chunk of BLOCK_V columns is handled as a [BLOCK_V // LANE_WIDTH, LANE_WIDTH] tile: row r of the tile holds
     # columns r*LANE_WIDTH .. r*LANE_WIDTH + LANE_WIDTH - 1 of the chunk. Each tile row is one "lane" with its own
@@ -203,7 +204,8 @@ def _cross_entropy_kernel(
             lane_sum = tl.zeros([N_LANES], dtype=tl.float32)  # sum of exp(x - lane_max) over the lane's columns
             # Label smoothing needs sum(x): kept per element and reduced once at the end, not once per chunk.
             sum_x_tile = tl.zeros([N_LANES, LANE_WIDTH], dtype=tl.float32)
-            for i in tl.range(0, n_full):
+            # loop_unroll_factor=2 puts the loads of two chunks in flight before either is used.
+            for i in tl.range(0, n_full, loop_unroll_factor=CHUNKS_PER_STEP):
                 # evict_last: keep the row in L2 for pass 2.
                 x = tl.load(logits_row + i * BLOCK_V + chunk_offsets, eviction_policy="evict_last").to(tl.float32)
                 lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
@@ -237,16 +239,36 @@ def _cross_entropy_kernel(
                 smoothing_term = scale * (label_smoothing / V)
                 grad = _softmax_gradient(x_partial, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
                                          HAS_SMOOTHING, FAST_EXP2)
-                tl.store(grad_row + partial_offsets, grad.to(grad_ptr.dtype.element_ty), mask=partial_mask)
+                # evict_first on the loads: this is the last use of the logits; on the stores: this kernel never
+                # reads the gradient back. Both leave L2 to the rows that pass 2 has still to re-read.
+                tl.store(grad_row + partial_offsets, grad.to(grad_ptr.dtype.element_ty), mask=partial_mask,
+                         eviction_policy="evict_first")
                 # Whole chunks in reverse order: the chunks pass 1 read last are the likeliest to still be in L2.
                 # In in-place mode grad_row == logits_row: each chunk is overwritten only after it was read.
-                for i in tl.range(0, n_full):
-                    offsets = (n_full - 1 - i) * BLOCK_V + chunk_offsets
-                    # evict_first: this is the last use of the logits, let them leave L2 before anything else.
-                    x = tl.load(logits_row + offsets, eviction_policy="evict_first").to(tl.float32)
-                    grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
-                                             HAS_SMOOTHING, FAST_EXP2)
-                    tl.store(grad_row + offsets, grad.to(grad_ptr.dtype.element_ty))
+                # With CHUNKS_PER_STEP = 2, chunks top-1 and top-2 per step, both loaded before either is stored:
+                # the compiler cannot tell that a store does not alias a later load, so it keeps them in program
+                # order and unrolling alone would not put a second load in flight.
+                for i in tl.range(0, n_full // CHUNKS_PER_STEP):
+                    offsets_a = (n_full - 1 - CHUNKS_PER_STEP * i) * BLOCK_V + chunk_offsets
+                    x_a = tl.load(logits_row + offsets_a, eviction_policy="evict_first").to(tl.float32)
+                    if CHUNKS_PER_STEP == 2:
+                        x_b = tl.load(logits_row + offsets_a - BLOCK_V, eviction_policy="evict_first").to(tl.float32)
+                    grad_a = _softmax_gradient(x_a, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
+                                               HAS_SMOOTHING, FAST_EXP2)
+                    if CHUNKS_PER_STEP == 2:
+                        grad_b = _softmax_gradient(x_b, row_max, exponent_offset, scale, smoothing_term,
+                                                   POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
+                    tl.store(grad_row + offsets_a, grad_a.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
+                    if CHUNKS_PER_STEP == 2:
+                        tl.store(grad_row + offsets_a - BLOCK_V, grad_b.to(grad_ptr.dtype.element_ty),
+                                 eviction_policy="evict_first")
+                if CHUNKS_PER_STEP == 2:
+                    if n_full % 2 == 1:  # chunk 0 is left over
+                        x = tl.load(logits_row + chunk_offsets, eviction_policy="evict_first").to(tl.float32)
+                        grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
+                                                 HAS_SMOOTHING, FAST_EXP2)
+                        tl.store(grad_row + chunk_offsets, grad.to(grad_ptr.dtype.element_ty),
+                                 eviction_policy="evict_first")
                 # The one-hot term, -scale * (1 - eps) at the target only: one store instead of a comparison on every
                 # value. The barrier orders it after every thread's store of this row (one of which wrote that entry).
                 tl.debug_barrier()
@@ -290,32 +312,43 @@ def _kernel_device_type():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _pick_block_v(V, device_type):
-    """Vocabulary chunk per loop step.
-
-    GPU: min(16384, next_pow2(V)): 7 whole chunks and a partial one for V = 128256.
-    CPU interpreter: 256, because every chunk costs ~1 ms of Python there and tests want several chunks per row.
-    """
-    cap = 16384 if device_type == "cuda" else 256
-    return min(cap, triton.next_power_of_2(max(V, 1)))
-
-
-# Launch shape, measured on an H200 (16384 x 128256 bf16 logits, loss + gradient in place; commit 42571a1 for the sweep,
-# 3f7477f for the benchmark JSON): 16384-wide chunks of 8-column lanes, 32 warps (16 values per thread per chunk), up to
-# 128 programs per multiprocessor, in practice one program per row: 2.69 ms = 73 % of copy bandwidth over the 2 * N * V
-# * 2 bytes (Liger 3.80 ms in the same run). The kernel needs 56 registers, so one 32-warp program is resident per
-# multiprocessor: 132 rows in flight (34 MB), few enough that much of pass 2's re-read hits L2, with 1024 threads to
-# keep the loads going. Same sweep: 8192-wide chunks 3.02 ms (32 warps) and 2.77 ms (16 warps), 4096-wide 2.91 ms, a
-# persistent grid of 2-3 programs per SM 3.09-3.12 ms; the loss-only pass reads 4.2 GB in 1.06 ms. What did not pay, on
-# the earlier, instruction-heavy kernel (2.99 ms, 16 warps, 8192-wide chunks, 528 rows in flight): reducing whole chunks
-# instead of lanes (a barrier per chunk, 3.45 ms); splitting each row over 2-16 programs that publish their segment's
-# log-sum-exp and write the gradient of a segment a few rows back (six variants, ~250 launch shapes, 3.09 ms at best);
-# keeping the first 64 K columns of each row in registers between the passes (3.19 ms); and, on lean prototypes, the
-# same head in registers (2.85 ms) and register prefetch of the next chunk (more registers, fewer resident warps: 3.1
-# ms).
-_PROGRAMS_PER_SM = 128
+# Launch shape, measured on an H200 (16384 x 128256 bf16 logits, loss + gradient in place). What limits this kernel
+# is HBM traffic and how much of it is in flight; Nsight Compute (ncu) counts both.
+# - Shipped until this shape (16384-wide chunks, 32 warps, 56 registers, so one program per multiprocessor and 132 rows
+#   in flight): 2.69 ms = 73 % of copy bandwidth. ncu: 4.5 GB read for 4.2 GB of logits (pass 2 almost always hits
+#   L2) but HBM only 67 % busy: one 16-byte load per thread in flight is too little.
+# - 8192-wide chunks with pass 1 unrolled by two (CHUNKS_PER_STEP = 2): 32 registers, so two 32-warp programs fit per
+#   multiprocessor, each thread with two loads in flight. Pass 1 alone (the loss-only launch) then reads the 4.2 GB in
+#   1.0 ms, at copy speed (was 1.45 ms). Loss + gradient 2.57 ms; ncu: HBM 86 % busy, but 6.3 GB read: with 264 rows
+#   in flight (66 MB) pass 2 finds only part of each row in L2.
+# - Pass 2 two chunks per step as well, capped at 32 registers (maxnreg; ptxas spills nothing in the bf16 loops), and the
+#   gradient stored with evict_first: 2.50 ms = 79 % of copy, 4096 rows 0.66 ms (sweep of 2026-12-03). ncu: 6.1 GB read.
+# Tried in the same sweeps and slower: Triton's software pipelining (tl.range num_stages, cp.async into shared memory:
+# 2.90-3.80 ms), L2 prefetch instructions for the row or the next row (2.62-3.16 ms), a skewed loop that writes row r's
+# gradient while reading row r + P's statistics (one program per SM, each row read once: 2.82 ms), unrolling pass 1 by
+# four (2.51 ms), lanes of 4 or 16 columns (2.49-2.50 ms), 16 warps with 64 registers (2.51 ms), other cache policies
+# (2.54-2.58 ms). The earlier sweeps (42571a1 and before): 16-warp and 4096-wide shapes, persistent grids of 2-3
+# programs per SM, rows split over several programs, the head of the row kept in registers; none under 2.77 ms.
+# fp32 logits keep 16384-wide chunks, one per step and no register cap: the unrolled bf16 shape spills there and took
+# 1.50 ms against 1.30 ms at 4096 rows.
+_PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
 _LANE_WIDTH = 8
 _NUM_WARPS = 32
+
+
+def _launch_shape(V, itemsize, device_type):
+    """(BLOCK_V, CHUNKS_PER_STEP, maxnreg): the vocabulary chunk per step, how many chunks each step loads, and the
+    register cap that makes two 32-warp programs fit per multiprocessor (see above).
+
+    CPU interpreter: 256-wide chunks, because every chunk costs ~1 ms of Python there and tests want several chunks
+    per row; CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms.
+    """
+    chunks_per_step = 2 if itemsize <= 2 else 1
+    if device_type != "cuda":
+        return min(256, triton.next_power_of_2(max(V, 1))), chunks_per_step, None
+    if chunks_per_step == 2:
+        return min(8192, triton.next_power_of_2(max(V, 1))), 2, 32
+    return min(16384, triton.next_power_of_2(max(V, 1))), 1, None
 
 
 def _pick_num_warps(block):
@@ -360,7 +393,7 @@ def _row_layout(x):
 
 def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_stride, ignore_index, label_smoothing,
                           positive_scale=True, block_v=None, lane_width=None, num_warps=None, programs_per_sm=None,
-                          maxnreg=None):
+                          chunks_per_step=None, maxnreg=None):
     """Launch the kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
     losses [N] fp32, grad (same shape as logits, or None for loss only), scale fp32 device tensor.
     positive_scale=False when the scale can be <= 0 (a user's grad_output). The keyword overrides are for tuning
@@ -369,7 +402,11 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     n_rows = targets_flat.numel()
     if n_rows == 0:
         return
-    block_v = block_v or _pick_block_v(V, logits.device.type)
+    auto_block_v, auto_chunks_per_step, auto_maxnreg = _launch_shape(V, logits.element_size(), logits.device.type)
+    if block_v is None and num_warps is None and chunks_per_step is None:
+        maxnreg = maxnreg or auto_maxnreg  # the register cap belongs to the measured shape, not to a sweep's
+    block_v = block_v or auto_block_v
+    chunks_per_step = chunks_per_step or auto_chunks_per_step
     num_warps = num_warps or (_NUM_WARPS if logits.device.type == "cuda" else 4)
     if logits.device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(logits.device).multi_processor_count
@@ -386,7 +423,7 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
         targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing),
         BLOCK_V=block_v, LANE_WIDTH=min(lane_width or _LANE_WIDTH, block_v), HAS_SMOOTHING=label_smoothing > 0.0,
         COMPUTE_GRAD=compute_grad, POSITIVE_SCALE=positive_scale, FAST_EXP2=logits.device.type == "cuda",
-        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        CHUNKS_PER_STEP=chunks_per_step, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 
 
@@ -449,7 +486,7 @@ def _cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean",
     """Internal API (benchmark sweeps call it directly): returns (loss, grad_logits or None), no autograd.
 
     The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1.
-    `launch_overrides` (block_v, lane_width, num_warps, programs_per_sm, maxnreg) override the launch heuristics.
+    `launch_overrides` (block_v, lane_width, num_warps, programs_per_sm, chunks_per_step, maxnreg) override the launch heuristics.
     """
     _validate_cross_entropy(logits, targets, reduction, label_smoothing)
     if check_targets:

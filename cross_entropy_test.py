@@ -139,6 +139,12 @@ CE_CASES = [
     case(dtype="bf16", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=256, lane_width=1),
     case(dtype="fp32", shape=(8, 1000), reduction="sum", ignore_frac=0.2, label_smoothing=0.1, block_v=128,
          lane_width=128),
+    # both loop forms whatever the dtype (by default 16-bit logits take two chunks per step, fp32 one): an odd number
+    # of whole chunks (one left over after the pairs), an even one with no partial chunk, one chunk per step in bf16
+    case(dtype="fp32", shape=(8, 1000), reduction="sum", ignore_frac=0.2, label_smoothing=0.1, block_v=256,
+         chunks_per_step=2),
+    case(dtype="bf16", shape=(6, 1024), reduction="mean", ignore_frac=0.2, block_v=256, chunks_per_step=2),
+    case(dtype="bf16", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=128, chunks_per_step=1),
 ]
 
 
@@ -150,7 +156,7 @@ def case_id(c):
 
 def check_cross_entropy(dtype, shape, reduction, ignore_frac, label_smoothing=0.0, magnitude=3.0, layout="contiguous",
                         upstream=1.0, targets_dtype=torch.int64, ignore_index=-100, use_module=False, inplace=False,
-                        block_v=None, lane_width=None, transposed_targets=False):
+                        block_v=None, lane_width=None, chunks_per_step=None, transposed_targets=False):
     dtype = DTYPES[dtype]
     V = shape[-1]
     values = (torch.randn(shape, device=DEVICE) * magnitude).to(dtype)
@@ -172,9 +178,9 @@ def check_cross_entropy(dtype, shape, reduction, ignore_frac, label_smoothing=0.
     logits = with_layout(leaf, layout)  # a differentiable view (or copy) of the leaf with the requested strides
     if logits is not leaf:
         logits.retain_grad()
-    if block_v is not None:  # the internal API: same result whatever the chunk size and lane width
+    if block_v is not None:  # the internal API: same result whatever the chunk size, lane width, chunks per step
         loss, grad = ck._cross_entropy_forward(logits.detach(), targets, compute_grad=True, block_v=block_v,
-                                               lane_width=lane_width, **kwargs)
+                                               lane_width=lane_width, chunks_per_step=chunks_per_step, **kwargs)
         grad = grad * upstream
     else:
         if use_module:
