@@ -321,8 +321,9 @@ def _kernel_device_type():
 #   multiprocessor, each thread with two loads in flight. Pass 1 alone (the loss-only launch) then reads the 4.2 GB in
 #   1.0 ms, at copy speed (was 1.45 ms). Loss + gradient 2.57 ms; ncu: HBM 86 % busy, but 6.3 GB read: with 264 rows
 #   in flight (66 MB) pass 2 finds only part of each row in L2.
-# - Pass 2 two chunks per step as well, capped at 32 registers (maxnreg; ptxas spills nothing in the bf16 loops), and the
-#   gradient stored with evict_first: 2.50 ms = 79 % of copy, 4096 rows 0.66 ms (sweep of 2026-12-03). ncu: 6.1 GB read.
+# - Pass 2 two chunks per step as well, capped at 32 registers (maxnreg; ptxas spills nothing in the bf16 loops), and
+#   the gradient stored with evict_first: 2.50 ms = 79 % of copy, 4096 rows 0.66 ms (sweep of 2026-12-03); ncu on
+#   the same shape with pass 2 one chunk per step: 6.1 GB read. benchmark_kernels.py at 9b3c258: 2.51 ms, 78 %.
 # Tried in the same sweeps and slower: Triton's software pipelining (tl.range num_stages, cp.async into shared memory:
 # 2.90-3.80 ms), L2 prefetch instructions for the row or the next row (2.62-3.16 ms), a skewed loop that writes row r's
 # gradient while reading row r + P's statistics (one program per SM, each row read once: 2.82 ms), unrolling pass 1 by
@@ -330,7 +331,7 @@ def _kernel_device_type():
 # (2.54-2.58 ms). The earlier sweeps (42571a1 and before): 16-warp and 4096-wide shapes, persistent grids of 2-3
 # programs per SM, rows split over several programs, the head of the row kept in registers; none under 2.77 ms.
 # fp32 logits keep 16384-wide chunks, one per step and no register cap: the unrolled bf16 shape spills there and took
-# 1.50 ms against 1.30 ms at 4096 rows.
+# 1.50 ms against 1.30 ms at 4096 rows (9b3c258: 1.29 ms).
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
 _LANE_WIDTH = 8
 _NUM_WARPS = 32
@@ -486,7 +487,8 @@ def _cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean",
     """Internal API (benchmark sweeps call it directly): returns (loss, grad_logits or None), no autograd.
 
     The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1.
-    `launch_overrides` (block_v, lane_width, num_warps, programs_per_sm, chunks_per_step, maxnreg) override the launch heuristics.
+    `launch_overrides` (block_v, lane_width, num_warps, programs_per_sm, chunks_per_step, maxnreg) override the
+    launch heuristics.
     """
     _validate_cross_entropy(logits, targets, reduction, label_smoothing)
     if check_targets:
