@@ -323,10 +323,11 @@ def _kernel_device_type():
 #   in flight (66 MB) pass 2 finds only part of each row in L2.
 # - Pass 2 two chunks per step as well, capped at 32 registers (maxnreg; ptxas spills nothing in the bf16 loops), and
 #   the gradient stored with evict_first: 2.50 ms = 79 % of copy, 4096 rows 0.66 ms (sweep of 2026-12-03); ncu on
-#   the same shape with pass 2 one chunk per step: 6.1 GB read. benchmark_kernels.py at 9b3c258: 2.51 ms, 78 %.
+#   this shape (results/ncu_cross_entropy_h200_b408427.csv): 6.2 GB read, 4.2 GB written, HBM 88 % busy, so the
+#   2 GB re-read is now the limit. benchmark_kernels.py at 9b3c258: 2.51 ms, 78 %.
 # Tried in the same sweeps and slower: Triton's software pipelining (tl.range num_stages, cp.async into shared memory:
 # 2.90-3.80 ms), L2 prefetch instructions for the row or the next row (2.62-3.16 ms), a skewed loop that writes row r's
-# gradient while reading row r + P's statistics (one program per SM, each row read once: 2.82 ms), unrolling pass 1 by
+# gradient while reading row r + P's statistics (one program per SM, one row each in L2: 2.82 ms), unrolling pass 1 by
 # four (2.51 ms), lanes of 4 or 16 columns (2.49-2.50 ms), 16 warps with 64 registers (2.51 ms), other cache policies
 # (2.54-2.58 ms). The earlier sweeps (42571a1 and before): 16-warp and 4096-wide shapes, persistent grids of 2-3
 # programs per SM, rows split over several programs, the head of the row kept in registers: none of them under 2.77 ms.
