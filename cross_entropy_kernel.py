@@ -331,6 +331,9 @@ def _kernel_device_type():
 # four (2.51 ms), lanes of 4 or 16 columns (2.49-2.50 ms), 16 warps with 64 registers (2.51 ms), other cache policies
 # (2.54-2.58 ms). The earlier sweeps (42571a1 and before): 16-warp and 4096-wide shapes, persistent grids of 2-3
 # programs per SM, rows split over several programs, the head of the row kept in registers: none of them under 2.77 ms.
+# A thread-block cluster (num_ctas=2: one row split over two multiprocessors, 132 rows in flight with 2048 threads per
+# multiprocessor) would be the natural next step, but Triton 3.6 fails to compile this kernel with it (an error in
+# its TritonGPUPlanCTAPass).
 # fp32 logits keep 16384-wide chunks, one per step and no register cap: the unrolled bf16 shape spills there and took
 # 1.50 ms against 1.30 ms at 4096 rows (9b3c258: 1.29 ms).
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
