@@ -325,12 +325,15 @@ def _kernel_device_type():
 #   the gradient stored with evict_first: 2.50 ms = 79 % of copy, 4096 rows 0.66 ms (sweep of 2026-12-03); ncu on
 #   this shape (results/ncu_cross_entropy_h200_b408427.csv): 6.2 GB read, 4.2 GB written, HBM 88 % busy, so the
 #   2 GB re-read is now the limit. benchmark_kernels.py at 9b3c258: 2.51 ms, 78 %.
-# Tried in the same sweeps and slower: Triton's software pipelining (tl.range num_stages, cp.async into shared memory:
+# Tried in the same sweeps, none faster: Triton's software pipelining (tl.range num_stages, cp.async into shared memory:
 # 2.90-3.80 ms), L2 prefetch instructions for the row or the next row (2.62-3.16 ms), a skewed loop that writes row r's
 # gradient while reading row r + P's statistics (one program per SM, one row each in L2: 2.82 ms), unrolling pass 1 by
 # four (2.51 ms), lanes of 4 or 16 columns (2.49-2.50 ms), 16 warps with 64 registers (2.51 ms), other cache policies
-# (2.54-2.58 ms). The earlier sweeps (42571a1 and before): 16-warp and 4096-wide shapes, persistent grids of 2-3
-# programs per SM, rows split over several programs, the head of the row kept in registers: none of them under 2.77 ms.
+# (2.54-2.58 ms), one tl.reduce over (max, sum) pairs instead of two reductions per row (2.49 ms here; it helps the
+# one-program-per-SM shape, 2.81 -> 2.67 ms, whose row-to-row bubbles nothing else covers), a persistent grid that loads
+# the next row's target early (2.54 ms). The earlier sweeps (42571a1 and before): 16-warp and 4096-wide shapes,
+# persistent grids of 2-3 programs per SM, rows split over several programs, the head of the row kept in registers: none
+# of them under 2.77 ms.
 # A thread-block cluster (num_ctas=2: one row split over two multiprocessors, 132 rows in flight with 2048 threads per
 # multiprocessor) would be the natural next step, but Triton 3.6 fails to compile this kernel with it (an error in
 # its TritonGPUPlanCTAPass).
