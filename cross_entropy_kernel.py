@@ -341,22 +341,22 @@ def _kernel_device_type():
 # 1.50 ms against 1.30 ms at 4096 rows (9b3c258: 1.29 ms).
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
 _LANE_WIDTH = 8
-_NUM_WARPS = 32
 
 
 def _launch_shape(V, itemsize, device_type):
-    """(BLOCK_V, CHUNKS_PER_STEP, maxnreg): the vocabulary chunk per step, how many chunks each step loads, and the
-    register cap that makes two 32-warp programs fit per multiprocessor (see above).
+    """(BLOCK_V, num_warps, CHUNKS_PER_STEP, maxnreg): the vocabulary chunk per step, the warps per program, how
+    many chunks each step loads, and the register cap that makes two 32-warp programs fit per multiprocessor (see
+    above).
 
-    CPU interpreter: 256-wide chunks, because every chunk costs ~1 ms of Python there and tests want several chunks
-    per row; CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms.
+    CPU interpreter: 256-wide chunks and 4 warps, because every chunk costs ~1 ms of Python there and tests want
+    several chunks per row; CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms.
     """
     chunks_per_step = 2 if itemsize <= 2 else 1
     if device_type != "cuda":
-        return min(256, triton.next_power_of_2(max(V, 1))), chunks_per_step, None
+        return min(256, triton.next_power_of_2(max(V, 1))), 4, chunks_per_step, None
     if chunks_per_step == 2:
-        return min(8192, triton.next_power_of_2(max(V, 1))), 2, 32
-    return min(16384, triton.next_power_of_2(max(V, 1))), 1, None
+        return min(8192, triton.next_power_of_2(max(V, 1))), 32, 2, 32
+    return min(16384, triton.next_power_of_2(max(V, 1))), 32, 1, None
 
 
 def _pick_num_warps(block):
@@ -410,12 +410,13 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     n_rows = targets_flat.numel()
     if n_rows == 0:
         return
-    auto_block_v, auto_chunks_per_step, auto_maxnreg = _launch_shape(V, logits.element_size(), logits.device.type)
+    auto_block_v, auto_num_warps, auto_chunks_per_step, auto_maxnreg = _launch_shape(V, logits.element_size(),
+                                                                                     logits.device.type)
     if block_v is None and num_warps is None and chunks_per_step is None:
         maxnreg = maxnreg or auto_maxnreg  # the register cap belongs to the measured shape, not to a sweep's
     block_v = block_v or auto_block_v
+    num_warps = num_warps or auto_num_warps
     chunks_per_step = chunks_per_step or auto_chunks_per_step
-    num_warps = num_warps or (_NUM_WARPS if logits.device.type == "cuda" else 4)
     if logits.device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(logits.device).multi_processor_count
         n_programs = min(n_rows, (programs_per_sm or _PROGRAMS_PER_SM) * sm_count)
