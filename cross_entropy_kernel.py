@@ -334,6 +334,20 @@ def _kernel_device_type():
 # the next row's target early (2.54 ms). The earlier sweeps (42571a1 and before): 16-warp and 4096-wide shapes,
 # persistent grids of 2-3 programs per SM, rows split over several programs, the head of the row kept in registers: none
 # of them under 2.77 ms.
+# Re-measured with this kernel's loops (2026-12-03, second session; same run, shipped 2.51 ms):
+# - Rows split over 2-16 programs (4-32 warps each), each publishing its segment's log-sum-exp and waiting for the
+#   row's other segments before its pass 2, so that only 132 rows' worth of logits wait in L2: 2.54-5.5 ms in place.
+#   Out of place the two-way split beat this kernel (2.46 against 2.56 ms), in place it did not (2.64 ms). Nsight
+#   Compute on it: the split does remove the re-read (4.4 GB read instead of 6.2), but HBM is then busy only
+#   68-75 % of the time: per segment, the wait for the other half and the row's start-up latency leave the program
+#   with no load in flight, and the shorter the segments the more that costs. Loading the first pass-2 chunks before
+#   the wait spilled registers and was slower (2.63-2.76 ms).
+# - The first 2-6 chunks of each row kept in shared memory between the passes (a Gluon prototype of this kernel, two
+#   programs per SM with 32-96 KB each, so that L2 only has to hold the rest): 2.53-2.96 ms.
+# - Reserving L2 for persisting lines (cudaLimitPersistingL2CacheSize, which evict_last loads count against): 2.9 ms
+#   with half the allowed 37.5 MiB, 5.3 ms with all of it, because the reserved part fills with lines of finished rows.
+#   evict_first instead of evict_last on pass 1's first 2-16 chunks of each row (so that its tail has L2 to itself):
+#   2.50-3.13 ms, no gain.
 # A thread-block cluster (num_ctas=2: one row split over two multiprocessors, 132 rows in flight with 2048 threads per
 # multiprocessor) would be the natural next step, but Triton 3.6 fails to compile this kernel with it (an error in
 # its TritonGPUPlanCTAPass).
