@@ -341,7 +341,9 @@ def _kernel_device_type():
 #   Compute on it: the split does remove the re-read (4.4 GB read instead of 6.2), but HBM is then busy only
 #   68-75 % of the time: per segment, the wait for the other half and the row's start-up latency leave the program
 #   with no load in flight, and the shorter the segments the more that costs. Loading the first pass-2 chunks before
-#   the wait spilled registers and was slower (2.63-2.76 ms).
+#   the wait spilled registers and was slower (2.63-2.76 ms). Without any wait (each of 2-8 programs runs pass 1 on
+#   its segment and publishes; the one whose atomic count completes the row runs pass 2 over the whole row): 2.57-3.06
+#   ms; with four segments ncu again shows the re-read gone (4.5 GB read) and HBM 68 % busy.
 # - The first 2-6 chunks of each row kept in shared memory between the passes (a Gluon prototype of this kernel, two
 #   programs per SM with 32-96 KB each, so that L2 only has to hold the rest): 2.53-2.96 ms. ncu with 96 KB: 5.5 GB
 #   read instead of 6.2, but HBM 78 % busy instead of 88.
