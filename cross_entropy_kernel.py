@@ -305,6 +305,347 @@ def _scale_rows_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The shared-memory kernel: the row stays on chip between the two passes (16-bit logits with a gradient)
+# ---------------------------------------------------------------------------------------------------------------------
+# Why a second kernel. The kernel above reads each row twice: pass 2 finds only part of it in L2, and on an H200 at
+# 16384 x 128256 bf16 it reads 6.2 GB for 4.2 GB of logits. A multiprocessor has 227 KB of shared memory, most of a
+# 250 KB row of LLaMA-3's vocabulary, so this kernel keeps the row there: pass 2 reads it from shared memory, not HBM.
+#
+# Plain Triton decides on its own what goes to shared memory, so this kernel is written in Gluon, Triton's
+# lower-level dialect (triton.experimental.gluon, Triton 3.6): the same Python-embedded language, but with explicit
+# register layouts, explicit shared-memory buffers and explicit asynchronous copies (`cp.async`, global -> shared
+# without passing through registers). The arithmetic is the kernel above's: the same online softmax, exp2 and
+# gradient helpers.
+#
+# The schedule. One program per multiprocessor (it takes all the shared memory) walks over rows p, p + P, ... A row
+# is N_CHUNKS chunks of BLOCK_V columns plus a partial chunk (kept in registers). Chunks 0..K-1 are "streamed":
+# loaded into a small ring of Q shared-memory slots for pass 1 (evict_last, so that the second load, for pass 2,
+# finds them in L2) and loaded again for pass 2. The other chunks are "kept": each has its own slot, loaded once and
+# read by both passes. Each pass visits the chunks in the same order (streamed ones spread evenly among the kept), one
+# chunk per "step". A slot is refilled by the step that frees it:
+# - pass 2 of row r, once done with a kept chunk, loads the same chunk of row r + P into that slot, so the next row
+#   is in flight while this row's gradient is written (these loads were issued N_CHUNKS steps before their use);
+# - a ring slot is refilled with the streamed item Q items further on (the next load for pass 1 or pass 2, of this
+#   row or the next).
+# Each step commits one group of cp.async copies (possibly empty), so how many groups separate a load from its use is
+# known when the kernel is compiled, and `wait_group(n)` ("wait until at most n groups are in flight") waits for
+# exactly the data the step needs. Each thread copies and then reads the same 8 columns, so it only waits for its own
+# copies (Gluon still adds a barrier per step, which it cannot prove unnecessary).
+#
+# Measured on the H200 (16384 x 128256 bf16, loss + gradient in place, same run as the kernel above at 2.50 ms):
+# 8192-wide chunks with 32 warps (one thread per 8 columns), K = 6 streamed chunks, Q = 3 ring slots: 2.33 ms = 85.5 %
+# of copy bandwidth; ncu: 4.6 GB read instead of 6.2, HBM 79 % busy. Keeping more (K = 2-4, Q = 1-2): 2.36-2.39 ms;
+# streaming more (K = 7-8 with Q = 2): 2.56-2.63 ms, the Q-item lead is then too short; 16 warps or 4096-wide chunks:
+# 2.58-2.80 ms.
+#
+# On the CPU interpreter Gluon does not run, so the same kernel source runs as a Triton kernel through a small
+# stand-in for the Gluon names it uses (_InterpretedGluon below): layouts are ignored, a shared-memory slot is a
+# Python value, and an asynchronous copy is a load done at once. The CPU tests thus check the schedule's data flow
+# (which chunk is in which slot at each step); the GPU tests check the timing (the wait counts).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class _InterpretedGluon:
+    """The Gluon names the shared-memory kernel uses, on top of triton.language, for the CPU interpreter."""
+
+    class _Layout:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    BlockedLayout = SliceLayout = SwizzledSharedLayout = _Layout
+
+    class _SharedSlot:
+        def __init__(self, slots, index):
+            self.slots, self.index = slots, int(index)
+
+        def store(self, value):
+            self.slots[self.index] = value
+
+        def load(self, layout):
+            return self.slots[self.index]
+
+    class _SharedBuffer:
+        def __init__(self):
+            self.slots = {}
+
+        def index(self, i):
+            return _InterpretedGluon._SharedSlot(self.slots, i)
+
+    def __getattr__(self, name):
+        # Looked up at call time: the interpreter patches triton.language's functions while a kernel runs.
+        return getattr(tl, name)
+
+    @staticmethod
+    def allocate_shared_memory(dtype, shape, layout):
+        return _InterpretedGluon._SharedBuffer()
+
+    @staticmethod
+    def arange(start, end, layout=None):
+        return tl.arange(start, end)
+
+    @staticmethod
+    def full(shape, value, dtype, layout=None):
+        return tl.full(shape, value, dtype)
+
+    @staticmethod
+    def zeros(shape, dtype, layout=None):
+        return tl.zeros(shape, dtype)
+
+    @staticmethod
+    def thread_barrier():
+        return tl.debug_barrier()
+
+    # cp.async: the copy happens at once, so commit and wait have nothing to do.
+    @staticmethod
+    def async_copy_global_to_shared(slot, pointer, mask=None, eviction_policy=""):
+        slot.store(tl.load(pointer, mask=mask, other=0.0))
+
+    @staticmethod
+    def commit_group():
+        pass
+
+    @staticmethod
+    def wait_group(num_outstanding):
+        pass
+
+
+try:
+    if _INTERPRET:
+        gl = async_copy = _InterpretedGluon()
+        _gluon_jit = triton.jit
+    else:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.ampere import async_copy
+        _gluon_jit = gluon.jit
+    _HAVE_GLUON = True
+except ImportError:  # a Triton without Gluon: the kernel above does all the work
+    _HAVE_GLUON = False
+    _gluon_jit = triton.jit
+
+
+# The schedule's bookkeeping, evaluated when the kernel is compiled (constexpr functions of the step index u, the
+# chunk count N, the streamed count K and the ring size Q). Streamed "items" of a row: 0..K-1 are the pass-1 loads of
+# chunks 0..K-1, K..2K-1 their pass-2 re-loads.
+@triton.constexpr_function
+def _is_streamed(u, N, K):
+    """Step u of a pass handles a streamed chunk: K of the N steps, evenly spread."""
+    return (u + 1) * K // N > u * K // N
+
+
+@triton.constexpr_function
+def _streamed_chunk(u, N, K):
+    return u * K // N
+
+
+@triton.constexpr_function
+def _kept_chunk(u, N, K):
+    return K + u - (u + 1) * K // N
+
+
+@triton.constexpr_function
+def _item_step(item, N, K):
+    """The step of the row (0..2N-1; pass 2's steps are N..2N-1) that uses streamed item `item`."""
+    chunk = item % K
+    return (item // K) * N + ((chunk + 1) * N + K - 1) // K - 1
+
+
+@triton.constexpr_function
+def _item_wait_count(item, N, K, Q):
+    """Groups committed after item's load, before the step that uses it: the item was loaded by the step that used
+    item - Q (same ring slot), in this row or, for the first Q items, in the previous row (2N steps earlier)."""
+    if item >= Q:
+        loaded_at = _item_step(item - Q, N, K)
+    else:
+        loaded_at = _item_step(item - Q + 2 * K, N, K) - 2 * N
+    return _item_step(item, N, K) - 1 - loaded_at
+
+
+@_gluon_jit
+def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_mask, chunk_offsets, N: tl.constexpr,
+                        K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass-2 step U of a row before the first: issue what it would issue for the first row."""
+    if _is_streamed(U, N, K):
+        ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)
+        if ITEM + Q >= 2 * K:  # refills its slot with the next row's pass-1 item ITEM + Q - 2K
+            async_copy.async_copy_global_to_shared(ring.index((ITEM + Q - 2 * K) % Q),
+                                                   first_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
+                                                   mask=first_mask, eviction_policy="evict_last")
+    else:
+        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
+        async_copy.async_copy_global_to_shared(kept.index(CHUNK - K), first_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
+                                               mask=first_mask, eviction_policy="evict_first")
+    async_copy.commit_group()
+
+
+@_gluon_jit
+def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mask, chunk_offsets, lane_max, lane_sum,
+                     sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
+                     BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+    if _is_streamed(U, N, K):
+        ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
+        slot = ring.index((ring_base + ITEM) % Q)
+        async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
+        x = slot.load(tile).to(tl.float32)
+        # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
+        if ITEM + Q < K:
+            async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
+                                                   mask=row_mask, eviction_policy="evict_last")
+        else:
+            async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
+                                                   mask=row_mask, eviction_policy="evict_first")
+    else:
+        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
+        # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
+        async_copy.wait_group(N - 1)
+        x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+    async_copy.commit_group()
+    lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+    if HAS_SMOOTHING:
+        sum_x_tile += x
+    return lane_max, lane_sum, sum_x_tile
+
+
+@_gluon_jit
+def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mask, next_row_ptr, next_mask, grad_row,
+                     chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile: tl.constexpr,
+                     N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr,
+                     POSITIVE_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+    if _is_streamed(U, N, K):
+        ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)  # pass-2 item ITEM re-loads chunk ITEM - K
+        CHUNK: tl.constexpr = ITEM - K
+        slot = ring.index((ring_base + ITEM) % Q)
+        async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
+        x = slot.load(tile).to(tl.float32)
+        if ITEM + Q < 2 * K:  # a later re-load of this row
+            async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
+                                                   mask=row_mask, eviction_policy="evict_first")
+        else:  # a pass-1 chunk of the next row
+            async_copy.async_copy_global_to_shared(slot, next_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
+                                                   mask=next_mask, eviction_policy="evict_last")
+    else:
+        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
+        x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+        # The slot's last use in this row: load the next row's chunk into it.
+        async_copy.async_copy_global_to_shared(kept.index(CHUNK - K), next_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
+                                               mask=next_mask, eviction_policy="evict_first")
+    async_copy.commit_group()
+    grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
+                             FAST_EXP2)
+    tl.store(grad_row + CHUNK * BLOCK_V + chunk_offsets, grad.to(grad_row.dtype.element_ty),
+             eviction_policy="evict_first")
+
+
+@_gluon_jit
+def _cross_entropy_smem_kernel(
+    logits_ptr, grad_ptr, targets_ptr, losses_ptr, scale_ptr,  # as in _cross_entropy_kernel
+    n_rows, V, rows_per_batch, logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t, targets_stride,
+    scale_stride, ignore_index, label_smoothing,
+    BLOCK_V: tl.constexpr,  # chunk width (power of 2)
+    LANE_WIDTH: tl.constexpr,  # columns per lane, i.e. per thread and chunk (8 x 2 bytes = one 16-byte copy)
+    N_CHUNKS: tl.constexpr,  # V // BLOCK_V whole chunks per row (the partial rest stays in registers)
+    K: tl.constexpr,  # streamed chunks per row (1 <= K < N_CHUNKS)
+    Q: tl.constexpr,  # ring slots for them (1 <= Q <= K)
+    HAS_SMOOTHING: tl.constexpr, POSITIVE_SCALE: tl.constexpr, FAST_EXP2: tl.constexpr,
+    NUM_WARPS: tl.constexpr,  # = num_warps: Gluon layouts name the warps explicitly
+):
+    N: tl.constexpr = N_CHUNKS
+    N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
+    # Register layout of a chunk, [N_LANES, LANE_WIDTH]: each thread holds whole lanes (8 contiguous columns), so a
+    # lane's reduction stays in the thread, as in the kernel above. The same layout serves the copies, so each
+    # thread reads back exactly the bytes its own cp.async wrote.
+    tile: tl.constexpr = gl.BlockedLayout([1, LANE_WIDTH], [32, 1], [NUM_WARPS, 1], [1, 0])
+    lanes: tl.constexpr = gl.SliceLayout(1, tile)
+    columns: tl.constexpr = gl.SliceLayout(0, tile)
+    unswizzled: tl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a thread's 16 bytes stay contiguous
+    kept = gl.allocate_shared_memory(logits_ptr.dtype.element_ty, [N - K, N_LANES, LANE_WIDTH], unswizzled)
+    ring = gl.allocate_shared_memory(logits_ptr.dtype.element_ty, [Q, N_LANES, LANE_WIDTH], unswizzled)
+    lane_index = gl.arange(0, N_LANES, layout=lanes)[:, None]
+    chunk_offsets = lane_index * LANE_WIDTH + gl.arange(0, LANE_WIDTH, layout=columns)[None, :]
+    partial_offsets = N * BLOCK_V + chunk_offsets
+    partial_mask = partial_offsets < V
+    n_programs = gl.num_programs(0)
+
+    # A copy mask per row, constant along each lane (so that a masked copy stays one 16-byte cp.async): all true,
+    # or all false for an ignored row (its logits are never read) and past the last row.
+    row = tl.cast(gl.program_id(0), tl.int64)
+    target = gl.load(targets_ptr + row * targets_stride)
+    row_mask = lane_index < gl.where(target != ignore_index, N_LANES, 0)
+    b = row // rows_per_batch
+    logits_row = logits_ptr + b * logits_stride_b + (row - b * rows_per_batch) * logits_stride_t
+    # Prologue: the first row's loads, as the pass 2 of a row before it would issue them (one group per step).
+    for u in gl.static_range(N):
+        async_copy.commit_group()  # that row's pass 1
+    for u in gl.static_range(N):
+        _smem_prologue_step(u, ring, kept, logits_row, row_mask, chunk_offsets, N, K, Q, BLOCK_V)
+
+    ring_base = 0  # ring slot of this row's item 0: each row moves the ring on by 2K items
+    for row_index in range(gl.program_id(0), n_rows, n_programs):
+        row = tl.cast(row_index, tl.int64)
+        b = row // rows_per_batch
+        t = row - b * rows_per_batch
+        logits_row = logits_ptr + b * logits_stride_b + t * logits_stride_t
+        grad_row = grad_ptr + b * grad_stride_b + t * grad_stride_t
+        target = gl.load(targets_ptr + row * targets_stride).to(tl.int64)
+        valid = target != ignore_index
+        row_mask = lane_index < gl.where(valid, N_LANES, 0)
+        next_row = gl.minimum(row + n_programs, n_rows - 1)  # clamped: a valid address even past the end
+        next_target = gl.load(targets_ptr + next_row * targets_stride)
+        next_mask = lane_index < gl.where((row + n_programs < n_rows) & (next_target != ignore_index), N_LANES, 0)
+        next_b = next_row // rows_per_batch
+        next_row_ptr = logits_ptr + next_b * logits_stride_b + (next_row - next_b * rows_per_batch) * logits_stride_t
+
+        target_ok = (target >= 0) & (target < V)
+        x_target = gl.load(logits_row + target, mask=target_ok & valid, other=0.0).to(tl.float32)
+        x_partial = gl.load(logits_row + partial_offsets, mask=partial_mask & valid, other=float("-inf"))
+        x_partial = x_partial.to(tl.float32)
+
+        # ---- pass 1: online softmax statistics ----
+        lane_max = gl.full([N_LANES], float("-inf"), tl.float32, lanes)
+        lane_sum = gl.zeros([N_LANES], tl.float32, lanes)
+        sum_x_tile = gl.zeros([N_LANES, LANE_WIDTH], tl.float32, tile)
+        for u in gl.static_range(N):
+            lane_max, lane_sum, sum_x_tile = _smem_pass1_step(
+                u, ring, ring_base, kept, logits_row, row_mask, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
+                N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2)
+        lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
+        row_max = gl.max(lane_max, axis=0)
+        row_sum = gl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
+        lse = row_max + gl.log(row_sum)
+        if HAS_SMOOTHING:
+            sum_x = gl.sum(gl.sum(sum_x_tile + gl.where(partial_mask, x_partial, 0.0), axis=1), axis=0)
+            loss = lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
+        else:
+            loss = lse - x_target
+        gl.store(losses_ptr + row, gl.where(valid, gl.where(target_ok, loss, float("nan")), 0.0))
+
+        # ---- pass 2: gradient; an ignored row (all zeros loaded) gets 2^-inf = 0 and no scale or smoothing ----
+        row_scale = gl.load(scale_ptr + row * scale_stride).to(tl.float32)
+        scale = gl.where(valid, row_scale, 0.0)
+        exponent_offset = gl.log2(row_sum)
+        if POSITIVE_SCALE:
+            exponent_offset -= gl.log2(gl.where(valid, row_scale, 1.0))
+        exponent_offset = gl.where(target_ok, exponent_offset, float("nan"))  # bad target: NaN gradient
+        exponent_offset = gl.where(valid, exponent_offset, float("inf"))
+        smoothing_term = scale * (label_smoothing / V)
+        grad = _softmax_gradient(x_partial, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
+                                 HAS_SMOOTHING, FAST_EXP2)
+        gl.store(grad_row + partial_offsets, grad.to(grad_ptr.dtype.element_ty), mask=partial_mask,
+                 eviction_policy="evict_first")
+        for u in gl.static_range(N):
+            _smem_pass2_step(u, ring, ring_base, kept, logits_row, row_mask, next_row_ptr, next_mask, grad_row,
+                             chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile, N, K, Q, BLOCK_V,
+                             POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
+        # The one-hot term, after every thread's stores of this row (as in the kernel above).
+        gl.thread_barrier()
+        target_grad = _softmax_gradient(x_target, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
+                                        HAS_SMOOTHING, FAST_EXP2) - scale * (1.0 - label_smoothing)
+        gl.store(grad_row + target, target_grad.to(grad_ptr.dtype.element_ty), mask=target_ok & valid)
+        ring_base = (ring_base + 2 * K) % Q
+    async_copy.wait_group(0)  # the last (masked-off) copies must land before the program exits
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Launchers: validate, pick BLOCK_V / num_warps, allocate, launch
 # ---------------------------------------------------------------------------------------------------------------------
 def _kernel_device_type():
@@ -376,6 +717,44 @@ def _launch_shape(V, itemsize, device_type):
     return min(16384, triton.next_power_of_2(max(V, 1))), 32, 1, None
 
 
+def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
+    """(BLOCK_V, num_warps, N_CHUNKS, K, Q) for the shared-memory kernel, or None where it does not apply: fp32
+    logits (half as much of the row would fit), vocabularies under two chunks, a GPU without ~200 KB of shared memory
+    per program or without cp.async (compute capability < 8), a Triton without Gluon. The keywords are for tests and
+    sweeps.
+
+    GPU: 8192-wide chunks, 32 warps, K = 6 streamed chunks through Q = 3 ring slots (measured, see above), more
+    streamed chunks when the kept ones would not fit. CPU interpreter: 256-wide chunks (one warp of 8-column lanes)
+    and about half the chunks streamed through two slots, so that the tests run every kind of step.
+    """
+    if itemsize != 2 or not _HAVE_GLUON:
+        return None
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        shared_bytes = getattr(properties, "shared_memory_per_block_optin", 0)
+        if properties.major < 8 or shared_bytes < 200 * 1024:
+            return None
+        block_v = block_v or 8192
+        slot_budget = (shared_bytes - 4096) // (block_v * itemsize)  # 4 KB for the reductions' scratch
+    else:
+        block_v = block_v or 256
+        slot_budget = None
+    n_chunks = V // block_v
+    if n_chunks < 2:
+        return None
+    if device.type == "cuda":
+        n_streamed = n_streamed or min(6, n_chunks - 1)
+        n_ring = n_ring or min(3, n_streamed)
+        n_streamed = max(n_streamed, n_chunks + n_ring - slot_budget)  # the kept chunks must fit
+    else:
+        n_streamed = n_streamed or (n_chunks + 1) // 2
+        n_ring = n_ring or min(2, n_streamed)
+    if not 1 <= n_ring <= n_streamed < n_chunks:
+        raise ValueError(f"need 1 <= n_ring ({n_ring}) <= n_streamed ({n_streamed}) < V // block_v ({n_chunks})")
+    num_warps = max(1, block_v // (_LANE_WIDTH * 32))  # one thread per 8-column lane
+    return block_v, num_warps, n_chunks, n_streamed, n_ring
+
+
 def _pick_num_warps(block):
     """One warp (32 threads) per 1024 chunk elements, i.e. 32 values per thread, between 4 and 32 warps."""
     return min(32, max(4, block // 1024))
@@ -418,14 +797,47 @@ def _row_layout(x):
 
 def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_stride, ignore_index, label_smoothing,
                           positive_scale=True, block_v=None, lane_width=None, num_warps=None, programs_per_sm=None,
-                          chunks_per_step=None, maxnreg=None):
-    """Launch the kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
+                          chunks_per_step=None, maxnreg=None, kernel=None, n_streamed=None, n_ring=None):
+    """Launch a kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
     losses [N] fp32, grad (same shape as logits, or None for loss only), scale fp32 device tensor.
-    positive_scale=False when the scale can be <= 0 (a user's grad_output). The keyword overrides are for tuning
-    sweeps."""
+    positive_scale=False when the scale can be <= 0 (a user's grad_output). The keyword overrides are for tests and
+    tuning sweeps: kernel="rows" forces the row kernel (as does any of its own overrides: lane_width, num_warps,
+    programs_per_sm, chunks_per_step, maxnreg), "smem" the shared-memory kernel (block_v, n_streamed and n_ring
+    shape it), None picks."""
     V = logits.shape[-1]
     n_rows = targets_flat.numel()
     if n_rows == 0:
+        return
+    compute_grad = grad is not None
+    rows_per_batch, stride_b, stride_t = _row_layout(logits)
+    grad_rows_per_batch, grad_stride_b, grad_stride_t = _row_layout(grad) if compute_grad else (rows_per_batch, 0, 0)
+    assert grad_rows_per_batch == rows_per_batch
+    # With a gradient to write, 16-bit logits go to the shared-memory kernel where it applies (see above).
+    row_kernel_overrides = (lane_width, num_warps, programs_per_sm, chunks_per_step, maxnreg)
+    # cp.async copies 16 bytes per thread, so on the GPU every row must start 16-byte aligned (Triton compiles the
+    # 16-byte form when the base address and the row strides are multiples of 16; e.g. V = 50257 does not qualify).
+    rows_aligned = logits.device.type != "cuda" or (
+        logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
+    smem_plan = None
+    if compute_grad and rows_aligned and (kernel == "smem" or
+                                          kernel is None and all(o is None for o in row_kernel_overrides)):
+        smem_plan = _smem_plan(V, logits.element_size(), logits.device, block_v, n_streamed, n_ring)
+    if kernel == "smem" and smem_plan is None:
+        raise ValueError(f"the shared-memory kernel does not apply here (V={V}, {logits.dtype}, {logits.device})")
+    if smem_plan is not None:
+        block_v, num_warps, n_chunks, n_streamed, n_ring = smem_plan
+        if logits.device.type == "cuda":  # one program per multiprocessor: it takes the shared memory
+            n_programs = min(n_rows, torch.cuda.get_device_properties(logits.device).multi_processor_count)
+        else:
+            n_programs = min(n_rows, 4)
+        _cross_entropy_smem_kernel[(n_programs,)](
+            logits, grad, targets_flat, losses, scale,
+            n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
+            targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing),
+            BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
+            HAS_SMOOTHING=label_smoothing > 0.0, POSITIVE_SCALE=positive_scale,
+            FAST_EXP2=logits.device.type == "cuda", NUM_WARPS=num_warps, num_warps=num_warps,
+        )
         return
     auto_block_v, auto_num_warps, auto_chunks_per_step, auto_maxnreg = _launch_shape(V, logits.element_size(),
                                                                                      logits.device.type)
@@ -439,10 +851,6 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
         n_programs = min(n_rows, (programs_per_sm or _PROGRAMS_PER_SM) * sm_count)
     else:
         n_programs = min(n_rows, 4)  # the interpreter runs programs one after another anyway
-    rows_per_batch, stride_b, stride_t = _row_layout(logits)
-    compute_grad = grad is not None
-    grad_rows_per_batch, grad_stride_b, grad_stride_t = _row_layout(grad) if compute_grad else (rows_per_batch, 0, 0)
-    assert grad_rows_per_batch == rows_per_batch
     _cross_entropy_kernel[(n_programs,)](
         logits, grad if compute_grad else logits, targets_flat, losses, scale,
         n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
@@ -512,8 +920,8 @@ def _cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean",
     """Internal API (benchmark sweeps call it directly): returns (loss, grad_logits or None), no autograd.
 
     The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1.
-    `launch_overrides` (block_v, lane_width, num_warps, programs_per_sm, chunks_per_step, maxnreg) override the
-    launch heuristics.
+    `launch_overrides` (kernel, block_v, n_streamed, n_ring, lane_width, num_warps, programs_per_sm, chunks_per_step,
+    maxnreg; see _launch_cross_entropy) override the launch heuristics.
     """
     _validate_cross_entropy(logits, targets, reduction, label_smoothing)
     if check_targets:

@@ -145,6 +145,23 @@ CE_CASES = [
          chunks_per_step=2),
     case(dtype="bf16", shape=(6, 1024), reduction="mean", ignore_frac=0.2, block_v=256, chunks_per_step=2),
     case(dtype="bf16", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=128, chunks_per_step=1),
+    # the shared-memory kernel (16-bit logits with a gradient) with 256-wide chunks, so that the same schedules run on
+    # the CPU and the GPU: K streamed chunks through Q ring slots, from one of each to a ring that does not divide
+    # the 2K loads per row (its slots rotate from row to row); ignored rows, smoothing, 3-D strides, in place
+    *[case(dtype=d, shape=(13, 2000), reduction=r, ignore_frac=0.2, kernel="smem", block_v=256, n_streamed=k,
+           n_ring=q) for d, r, k, q in (("bf16", "mean", 1, 1), ("fp16", "sum", 3, 2), ("bf16", "none", 5, 3),
+                                        ("bf16", "mean", 6, 6))],
+    case(dtype="bf16", shape=(9, 1500), reduction="mean", ignore_frac=0.3, label_smoothing=0.1, kernel="smem",
+         block_v=256, n_streamed=2, n_ring=2, upstream=-2.0),
+    case(dtype="bf16", shape=(8, 1000), reduction="mean", ignore_frac=1.0, kernel="smem", block_v=256, n_streamed=1,
+         n_ring=1),
+    case(dtype="bf16", shape=(3, 5, 1100), reduction="sum", ignore_frac=0.2, layout="sliced", inplace=True,
+         kernel="smem", block_v=256, n_streamed=2, n_ring=1),
+    case(dtype="fp16", shape=(12, 1000), reduction="mean", ignore_frac=0.2, layout="strided_rows", kernel="smem",
+         block_v=256, n_streamed=2, n_ring=2),
+    # and 16-bit logits through the row kernel
+    case(dtype="bf16", shape=(3, 5, 1000), reduction="mean", ignore_frac=0.2, label_smoothing=0.1, layout="sliced",
+         kernel="rows"),
 ]
 
 
@@ -156,7 +173,8 @@ def case_id(c):
 
 def check_cross_entropy(dtype, shape, reduction, ignore_frac, label_smoothing=0.0, magnitude=3.0, layout="contiguous",
                         upstream=1.0, targets_dtype=torch.int64, ignore_index=-100, use_module=False, inplace=False,
-                        block_v=None, lane_width=None, chunks_per_step=None, transposed_targets=False):
+                        block_v=None, lane_width=None, chunks_per_step=None, transposed_targets=False, kernel=None,
+                        n_streamed=None, n_ring=None):
     dtype = DTYPES[dtype]
     V = shape[-1]
     values = (torch.randn(shape, device=DEVICE) * magnitude).to(dtype)
@@ -178,10 +196,16 @@ def check_cross_entropy(dtype, shape, reduction, ignore_frac, label_smoothing=0.
     logits = with_layout(leaf, layout)  # a differentiable view (or copy) of the leaf with the requested strides
     if logits is not leaf:
         logits.retain_grad()
-    if block_v is not None:  # the internal API: same result whatever the chunk size, lane width, chunks per step
-        loss, grad = ck._cross_entropy_forward(logits.detach(), targets, compute_grad=True, block_v=block_v,
-                                               lane_width=lane_width, chunks_per_step=chunks_per_step, **kwargs)
-        grad = grad * upstream
+    if block_v is not None or kernel is not None:
+        # The internal API: same result whatever the kernel and its shape (chunk size, lane width, chunks per step,
+        # streamed chunks and ring slots).
+        loss, grad = ck._cross_entropy_forward(logits.detach(), targets, compute_grad=True, inplace_backward=inplace,
+                                               kernel=kernel, block_v=block_v, lane_width=lane_width,
+                                               chunks_per_step=chunks_per_step, n_streamed=n_streamed, n_ring=n_ring,
+                                               **kwargs)
+        if inplace:
+            assert grad.data_ptr() == logits.data_ptr(), "in-place mode must write into the logits' storage"
+        grad = ck._scale_rows_(grad, grad_output)  # what the autograd backward does with grad_output
     else:
         if use_module:
             loss = ck.TritonCrossEntropyLoss(inplace_backward=inplace, **kwargs)(logits, targets)
@@ -315,7 +339,15 @@ def check_out_of_range_targets():
     with pytest.raises(ValueError, match=f"target {V} "):
         ck.linear_cross_entropy(hidden, torch.randn(V, 16, device=DEVICE), targets, check_targets=True)
     ck.cross_entropy(logits, torch.where(bad, 0, targets), check_targets=True)  # valid targets pass the check
-    return "NaN on bad rows only; check_targets raises"
+
+    # The shared-memory kernel (16-bit logits) as well: NaN on the bad rows, exact zeros on the ignored one.
+    logits16 = torch.randn(N, 1000, device=DEVICE).to(torch.bfloat16)
+    losses16, grad16 = ck._cross_entropy_forward(logits16, torch.where(targets == V, 1000, targets), reduction="none",
+                                                 kernel="smem", block_v=256)
+    assert torch.all(torch.isnan(losses16[bad])) and torch.all(torch.isnan(grad16[bad]))
+    assert torch.all(torch.isfinite(losses16[~bad])) and torch.all(torch.isfinite(grad16[~bad]))
+    assert losses16[6] == 0 and torch.all(grad16[6] == 0), "the ignored row"
+    return "NaN on bad rows only (both kernels); check_targets raises"
 
 
 def _bad_input_cases():
