@@ -409,19 +409,17 @@ class _InterpretedGluon:
         pass
 
 
-try:
-    if _INTERPRET:
-        gl = async_copy = _InterpretedGluon()
-        _gluon_jit = triton.jit
-    else:
-        from triton.experimental import gluon
-        from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.language.nvidia.ampere import async_copy
-        _gluon_jit = gluon.jit
-    _HAVE_GLUON = True
-except ImportError:  # a Triton without Gluon: the kernel above does all the work
-    _HAVE_GLUON = False
+# Gluon is experimental and its names change between Triton releases; this kernel is written and tested against
+# Triton 3.6. Under another version the row kernel above does all the work.
+_HAVE_GLUON = triton.__version__.startswith("3.6.")
+if _INTERPRET or not _HAVE_GLUON:
+    gl = async_copy = _InterpretedGluon()
     _gluon_jit = triton.jit
+else:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    _gluon_jit = gluon.jit
 
 
 # The schedule's bookkeeping, evaluated when the kernel is compiled (constexpr functions of the step index u, the
@@ -487,6 +485,7 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mas
         slot = ring.index((ring_base + ITEM) % Q)
         async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
         x = slot.load(tile).to(tl.float32)
+        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
         if ITEM + Q < K:
             async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
@@ -499,11 +498,21 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mas
         # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
         async_copy.wait_group(N - 1)
         x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
     async_copy.commit_group()
-    lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
     if HAS_SMOOTHING:
         sum_x_tile += x
     return lane_max, lane_sum, sum_x_tile
+
+
+@_gluon_jit
+def _smem_store_gradient(x, grad_row, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, chunk_offsets, row_max,
+                         exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
+                         HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+    grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
+                             FAST_EXP2)
+    tl.store(grad_row + CHUNK * BLOCK_V + chunk_offsets, grad.to(grad_row.dtype.element_ty),
+             eviction_policy="evict_first")
 
 
 @_gluon_jit
@@ -517,6 +526,8 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mas
         slot = ring.index((ring_base + ITEM) % Q)
         async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
         x = slot.load(tile).to(tl.float32)
+        _smem_store_gradient(x, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
+                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
         if ITEM + Q < 2 * K:  # a later re-load of this row
             async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
                                                    mask=row_mask, eviction_policy="evict_first")
@@ -526,14 +537,12 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mas
     else:
         CHUNK: tl.constexpr = _kept_chunk(U, N, K)
         x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+        _smem_store_gradient(x, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
+                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
         # The slot's last use in this row: load the next row's chunk into it.
         async_copy.async_copy_global_to_shared(kept.index(CHUNK - K), next_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
                                                mask=next_mask, eviction_policy="evict_first")
     async_copy.commit_group()
-    grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
-                             FAST_EXP2)
-    tl.store(grad_row + CHUNK * BLOCK_V + chunk_offsets, grad.to(grad_row.dtype.element_ty),
-             eviction_policy="evict_first")
 
 
 @_gluon_jit
@@ -653,8 +662,10 @@ def _kernel_device_type():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# Launch shape, measured on an H200 (16384 x 128256 bf16 logits, loss + gradient in place). What limits this kernel
-# is HBM traffic and how much of it is in flight; Nsight Compute (ncu) counts both.
+# Launch shape of the row kernel, measured on an H200 (16384 x 128256 bf16 logits, loss + gradient in place). It runs
+# fp32 logits, the loss alone, and whatever the shared-memory kernel above does not take (see _smem_plan); for 16-bit
+# logits with a gradient that kernel is faster. What limits this kernel is HBM traffic and how much of it is in
+# flight; Nsight Compute (ncu) counts both.
 # - Shipped until this shape (16384-wide chunks, 32 warps, 56 registers, so one program per multiprocessor and 132 rows
 #   in flight): 2.69 ms = 73 % of copy bandwidth. ncu: 4.5 GB read for 4.2 GB of logits (pass 2 almost always hits
 #   L2) but HBM only 67 % busy: one 16-byte load per thread in flight is too little.
@@ -694,7 +705,9 @@ def _kernel_device_type():
 #   2.50-3.13 ms, no gain.
 # A thread-block cluster (num_ctas=2: one row split over two multiprocessors, 132 rows in flight with 2048 threads per
 # multiprocessor) would be the natural next step, but Triton 3.6 fails to compile this kernel with it (an error in
-# its TritonGPUPlanCTAPass).
+# its TritonGPUPlanCTAPass). What did work is the shared-memory kernel above: the same head-of-row stash as the Gluon
+# prototype, but with the whole row but K chunks kept, one program per multiprocessor, and cp.async loads issued a
+# row ahead, so that the stash does not cost loads in flight.
 # fp32 logits keep 16384-wide chunks, one per step and no register cap: the unrolled bf16 shape spills there and took
 # 1.50 ms against 1.30 ms at 4096 rows (9b3c258: 1.29 ms).
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
@@ -823,7 +836,8 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
                                           kernel is None and all(o is None for o in row_kernel_overrides)):
         smem_plan = _smem_plan(V, logits.element_size(), logits.device, block_v, n_streamed, n_ring)
     if kernel == "smem" and smem_plan is None:
-        raise ValueError(f"the shared-memory kernel does not apply here (V={V}, {logits.dtype}, {logits.device})")
+        raise ValueError(f"the shared-memory kernel does not apply here (V={V}, {logits.dtype}, {logits.device}, "
+                         f"gradient: {compute_grad}, rows 16-byte aligned: {rows_aligned})")
     if smem_plan is not None:
         block_v, num_warps, n_chunks, n_streamed, n_ring = smem_plan
         if logits.device.type == "cuda":  # one program per multiprocessor: it takes the shared memory

@@ -147,17 +147,18 @@ CE_CASES = [
     case(dtype="bf16", shape=(8, 1000), reduction="mean", ignore_frac=0.2, block_v=128, chunks_per_step=1),
     # the shared-memory kernel (16-bit logits with a gradient) with 256-wide chunks, so that the same schedules run on
     # the CPU and the GPU: K streamed chunks through Q ring slots, from one of each to a ring that does not divide
-    # the 2K loads per row (its slots rotate from row to row); ignored rows, smoothing, 3-D strides, in place
+    # the 2K loads per row (its slots rotate from row to row); ignored rows, smoothing, 3-D strides, in place. Row
+    # strides are multiples of 16 elements, as the GPU's 16-byte copies need (the launcher checks).
     *[case(dtype=d, shape=(13, 2000), reduction=r, ignore_frac=0.2, kernel="smem", block_v=256, n_streamed=k,
            n_ring=q) for d, r, k, q in (("bf16", "mean", 1, 1), ("fp16", "sum", 3, 2), ("bf16", "none", 5, 3),
                                         ("bf16", "mean", 6, 6))],
-    case(dtype="bf16", shape=(9, 1500), reduction="mean", ignore_frac=0.3, label_smoothing=0.1, kernel="smem",
+    case(dtype="bf16", shape=(9, 1520), reduction="mean", ignore_frac=0.3, label_smoothing=0.1, kernel="smem",
          block_v=256, n_streamed=2, n_ring=2, upstream=-2.0),
-    case(dtype="bf16", shape=(8, 1000), reduction="mean", ignore_frac=1.0, kernel="smem", block_v=256, n_streamed=1,
+    case(dtype="bf16", shape=(8, 1008), reduction="mean", ignore_frac=1.0, kernel="smem", block_v=256, n_streamed=1,
          n_ring=1),
-    case(dtype="bf16", shape=(3, 5, 1100), reduction="sum", ignore_frac=0.2, layout="sliced", inplace=True,
+    case(dtype="bf16", shape=(3, 5, 1104), reduction="sum", ignore_frac=0.2, layout="sliced", inplace=True,
          kernel="smem", block_v=256, n_streamed=2, n_ring=1),
-    case(dtype="fp16", shape=(12, 1000), reduction="mean", ignore_frac=0.2, layout="strided_rows", kernel="smem",
+    case(dtype="fp16", shape=(12, 1008), reduction="mean", ignore_frac=0.2, layout="strided_rows", kernel="smem",
          block_v=256, n_streamed=2, n_ring=2),
     # and 16-bit logits through the row kernel
     case(dtype="bf16", shape=(3, 5, 1000), reduction="mean", ignore_frac=0.2, label_smoothing=0.1, layout="sliced",
@@ -341,8 +342,8 @@ def check_out_of_range_targets():
     ck.cross_entropy(logits, torch.where(bad, 0, targets), check_targets=True)  # valid targets pass the check
 
     # The shared-memory kernel (16-bit logits) as well: NaN on the bad rows, exact zeros on the ignored one.
-    logits16 = torch.randn(N, 1000, device=DEVICE).to(torch.bfloat16)
-    losses16, grad16 = ck._cross_entropy_forward(logits16, torch.where(targets == V, 1000, targets), reduction="none",
+    logits16 = torch.randn(N, 1008, device=DEVICE).to(torch.bfloat16)
+    losses16, grad16 = ck._cross_entropy_forward(logits16, torch.where(targets == V, 1008, targets), reduction="none",
                                                  kernel="smem", block_v=256)
     assert torch.all(torch.isnan(losses16[bad])) and torch.all(torch.isnan(grad16[bad]))
     assert torch.all(torch.isfinite(losses16[~bad])) and torch.all(torch.isfinite(grad16[~bad]))
