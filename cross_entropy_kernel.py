@@ -137,6 +137,13 @@ def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITI
 
 
 @triton.jit
+def _row_start(base_ptr, row, rows_per_batch, stride_b, stride_t):
+    """Address of flat row `row` (int64) of a [N, V] (stride_b = 0, rows_per_batch = N) or [B, T, V] tensor."""
+    b = row // rows_per_batch
+    return base_ptr + b * stride_b + (row - b * rows_per_batch) * stride_t
+
+
+@triton.jit
 def _cross_entropy_kernel(
     logits_ptr,  # [N, V] rows (any row strides, unit column stride), fp32/bf16/fp16
     grad_ptr,  # where dlogits goes: its own buffer, or logits_ptr itself (in-place mode)
@@ -180,10 +187,8 @@ def _cross_entropy_kernel(
         # int64 BEFORE multiplying by strides: row * V overflows int32 once the logits hold more than 2^31 elements,
         # and the pointer arithmetic would silently wrap to another row.
         row = tl.cast(row_index, tl.int64)
-        b = row // rows_per_batch
-        t = row - b * rows_per_batch
-        logits_row = logits_ptr + b * logits_stride_b + t * logits_stride_t
-        grad_row = grad_ptr + b * grad_stride_b + t * grad_stride_t
+        logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
+        grad_row = _row_start(grad_ptr, row, rows_per_batch, grad_stride_b, grad_stride_t)
         target = tl.load(targets_ptr + row * targets_stride).to(tl.int64)
 
         if target == ignore_index:
@@ -294,9 +299,7 @@ def _scale_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
     if scale != 1.0:
-        b = row // rows_per_batch
-        t = row - b * rows_per_batch
-        x_row = x_ptr + b * stride_b + t * stride_t
+        x_row = _row_start(x_ptr, row, rows_per_batch, stride_b, stride_t)
         cols = tl.arange(0, BLOCK)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
@@ -580,8 +583,7 @@ def _cross_entropy_smem_kernel(
     row = tl.cast(gl.program_id(0), tl.int64)
     target = gl.load(targets_ptr + row * targets_stride)
     row_mask = lane_index < gl.where(target != ignore_index, N_LANES, 0)
-    b = row // rows_per_batch
-    logits_row = logits_ptr + b * logits_stride_b + (row - b * rows_per_batch) * logits_stride_t
+    logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
     # Prologue: the first row's loads, as the pass 2 of a row before it would issue them (one group per step).
     for u in gl.static_range(N):
         async_copy.commit_group()  # that row's pass 1
@@ -591,18 +593,15 @@ def _cross_entropy_smem_kernel(
     ring_base = 0  # ring slot of this row's item 0: each row moves the ring on by 2K items
     for row_index in range(gl.program_id(0), n_rows, n_programs):
         row = tl.cast(row_index, tl.int64)
-        b = row // rows_per_batch
-        t = row - b * rows_per_batch
-        logits_row = logits_ptr + b * logits_stride_b + t * logits_stride_t
-        grad_row = grad_ptr + b * grad_stride_b + t * grad_stride_t
+        logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
+        grad_row = _row_start(grad_ptr, row, rows_per_batch, grad_stride_b, grad_stride_t)
         target = gl.load(targets_ptr + row * targets_stride).to(tl.int64)
         valid = target != ignore_index
         row_mask = lane_index < gl.where(valid, N_LANES, 0)
         next_row = gl.minimum(row + n_programs, n_rows - 1)  # clamped: a valid address even past the end
         next_target = gl.load(targets_ptr + next_row * targets_stride)
         next_mask = lane_index < gl.where((row + n_programs < n_rows) & (next_target != ignore_index), N_LANES, 0)
-        next_b = next_row // rows_per_batch
-        next_row_ptr = logits_ptr + next_b * logits_stride_b + (next_row - next_b * rows_per_batch) * logits_stride_t
+        next_row_ptr = _row_start(logits_ptr, next_row, rows_per_batch, logits_stride_b, logits_stride_t)
 
         target_ok = (target >= 0) & (target < V)
         x_target = gl.load(logits_row + target, mask=target_ok & valid, other=0.0).to(tl.float32)
