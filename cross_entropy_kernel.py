@@ -365,11 +365,13 @@ class _InterpretedGluon:
             self.slots[self.index] = value
 
         def load(self, layout):
+            if self.index not in self.slots:  # never filled (an ignored first row): whatever, as on the GPU
+                return tl.zeros(self.slots["shape"], self.slots["dtype"])
             return self.slots[self.index]
 
     class _SharedBuffer:
-        def __init__(self):
-            self.slots = {}
+        def __init__(self, dtype, slot_shape):
+            self.slots = {"dtype": dtype, "shape": slot_shape}
 
         def index(self, i):
             return _InterpretedGluon._SharedSlot(self.slots, i)
@@ -380,7 +382,7 @@ class _InterpretedGluon:
 
     @staticmethod
     def allocate_shared_memory(dtype, shape, layout):
-        return _InterpretedGluon._SharedBuffer()
+        return _InterpretedGluon._SharedBuffer(dtype, list(shape[1:]))
 
     @staticmethod
     def arange(start, end, layout=None):
@@ -400,8 +402,8 @@ class _InterpretedGluon:
 
     # cp.async: the copy happens at once, so commit and wait have nothing to do.
     @staticmethod
-    def async_copy_global_to_shared(slot, pointer, mask=None, eviction_policy=""):
-        slot.store(tl.load(pointer, mask=mask, other=0.0))
+    def async_copy_global_to_shared(slot, pointer, eviction_policy=""):
+        slot.store(tl.load(pointer))
 
     @staticmethod
     def commit_group():
@@ -463,24 +465,26 @@ def _item_wait_count(item, N, K, Q):
 
 
 @_gluon_jit
-def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_mask, chunk_offsets, N: tl.constexpr,
+def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_valid, chunk_offsets, N: tl.constexpr,
                         K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass-2 step U of a row before the first: issue what it would issue for the first row."""
-    if _is_streamed(U, N, K):
-        ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)
-        if ITEM + Q >= 2 * K:  # refills its slot with the next row's pass-1 item ITEM + Q - 2K
-            async_copy.async_copy_global_to_shared(ring.index((ITEM + Q - 2 * K) % Q),
-                                                   first_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
-                                                   mask=first_mask, eviction_policy="evict_last")
-    else:
-        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
-        async_copy.async_copy_global_to_shared(kept.index(CHUNK - K), first_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
-                                               mask=first_mask, eviction_policy="evict_first")
+    if first_valid:
+        if _is_streamed(U, N, K):
+            ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)
+            if ITEM + Q >= 2 * K:  # refills its slot with the next row's pass-1 item ITEM + Q - 2K
+                async_copy.async_copy_global_to_shared(ring.index((ITEM + Q - 2 * K) % Q),
+                                                       first_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
+                                                       eviction_policy="evict_last")
+        else:
+            CHUNK: tl.constexpr = _kept_chunk(U, N, K)
+            async_copy.async_copy_global_to_shared(kept.index(CHUNK - K),
+                                                   first_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
+                                                   eviction_policy="evict_first")
     async_copy.commit_group()
 
 
 @_gluon_jit
-def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mask, chunk_offsets, lane_max, lane_sum,
+def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum,
                      sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
                      BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
     if _is_streamed(U, N, K):
@@ -490,12 +494,13 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mas
         x = slot.load(tile).to(tl.float32)
         lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
-        if ITEM + Q < K:
-            async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
-                                                   mask=row_mask, eviction_policy="evict_last")
-        else:
-            async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
-                                                   mask=row_mask, eviction_policy="evict_first")
+        if valid:
+            if ITEM + Q < K:
+                async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
+                                                       eviction_policy="evict_last")
+            else:
+                async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
+                                                       eviction_policy="evict_first")
     else:
         CHUNK: tl.constexpr = _kept_chunk(U, N, K)
         # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
@@ -509,17 +514,20 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mas
 
 
 @_gluon_jit
-def _smem_store_gradient(x, grad_row, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, chunk_offsets, row_max,
+def _smem_store_gradient(x, valid, grad_row, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, chunk_offsets, row_max,
                          exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
                          HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
-    grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
-                             FAST_EXP2)
+    if valid:
+        grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
+                                 FAST_EXP2)
+    else:  # an ignored row: its slots were never filled (they hold an older row), the gradient is exactly 0
+        grad = gl.zeros_like(x)
     tl.store(grad_row + CHUNK * BLOCK_V + chunk_offsets, grad.to(grad_row.dtype.element_ty),
              eviction_policy="evict_first")
 
 
 @_gluon_jit
-def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mask, next_row_ptr, next_mask, grad_row,
+def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, next_row_ptr, next_valid, grad_row,
                      chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile: tl.constexpr,
                      N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr,
                      POSITIVE_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
@@ -529,22 +537,27 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, row_mas
         slot = ring.index((ring_base + ITEM) % Q)
         async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
         x = slot.load(tile).to(tl.float32)
-        _smem_store_gradient(x, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
+        _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
                              smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
         if ITEM + Q < 2 * K:  # a later re-load of this row
-            async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
-                                                   mask=row_mask, eviction_policy="evict_first")
+            if valid:
+                async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
+                                                       eviction_policy="evict_first")
         else:  # a pass-1 chunk of the next row
-            async_copy.async_copy_global_to_shared(slot, next_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
-                                                   mask=next_mask, eviction_policy="evict_last")
+            if next_valid:
+                async_copy.async_copy_global_to_shared(slot,
+                                                       next_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
+                                                       eviction_policy="evict_last")
     else:
         CHUNK: tl.constexpr = _kept_chunk(U, N, K)
         x = kept.index(CHUNK - K).load(tile).to(tl.float32)
-        _smem_store_gradient(x, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
+        _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
                              smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
         # The slot's last use in this row: load the next row's chunk into it.
-        async_copy.async_copy_global_to_shared(kept.index(CHUNK - K), next_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
-                                               mask=next_mask, eviction_policy="evict_first")
+        if next_valid:
+            async_copy.async_copy_global_to_shared(kept.index(CHUNK - K),
+                                                   next_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
+                                                   eviction_policy="evict_first")
     async_copy.commit_group()
 
 
@@ -578,29 +591,27 @@ def _cross_entropy_smem_kernel(
     partial_mask = partial_offsets < V
     n_programs = gl.num_programs(0)
 
-    # A copy mask per row, constant along each lane (so that a masked copy stays one 16-byte cp.async): all true,
-    # or all false for an ignored row (its logits are never read) and past the last row.
+    # An ignored row's logits are never read: the copies of a row are skipped (a branch taken by the whole program,
+    # not a copy mask: masked cp.async made the kernel 2.5 % slower) when its target is ignore_index, and past the
+    # last row. Each row's target is loaded one row ahead, so the row can start without waiting for it.
     row = tl.cast(gl.program_id(0), tl.int64)
-    target = gl.load(targets_ptr + row * targets_stride)
-    row_mask = lane_index < gl.where(target != ignore_index, N_LANES, 0)
+    target = gl.load(targets_ptr + row * targets_stride).to(tl.int64)
     logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
     # Prologue: the first row's loads, as the pass 2 of a row before it would issue them (one group per step).
     for u in gl.static_range(N):
         async_copy.commit_group()  # that row's pass 1
     for u in gl.static_range(N):
-        _smem_prologue_step(u, ring, kept, logits_row, row_mask, chunk_offsets, N, K, Q, BLOCK_V)
+        _smem_prologue_step(u, ring, kept, logits_row, target != ignore_index, chunk_offsets, N, K, Q, BLOCK_V)
 
     ring_base = 0  # ring slot of this row's item 0: each row moves the ring on by 2K items
     for row_index in range(gl.program_id(0), n_rows, n_programs):
         row = tl.cast(row_index, tl.int64)
         logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
         grad_row = _row_start(grad_ptr, row, rows_per_batch, grad_stride_b, grad_stride_t)
-        target = gl.load(targets_ptr + row * targets_stride).to(tl.int64)
         valid = target != ignore_index
-        row_mask = lane_index < gl.where(valid, N_LANES, 0)
         next_row = gl.minimum(row + n_programs, n_rows - 1)  # clamped: a valid address even past the end
-        next_target = gl.load(targets_ptr + next_row * targets_stride)
-        next_mask = lane_index < gl.where((row + n_programs < n_rows) & (next_target != ignore_index), N_LANES, 0)
+        next_target = gl.load(targets_ptr + next_row * targets_stride).to(tl.int64)
+        next_valid = (row + n_programs < n_rows) & (next_target != ignore_index)
         next_row_ptr = _row_start(logits_ptr, next_row, rows_per_batch, logits_stride_b, logits_stride_t)
 
         target_ok = (target >= 0) & (target < V)
@@ -614,7 +625,7 @@ def _cross_entropy_smem_kernel(
         sum_x_tile = gl.zeros([N_LANES, LANE_WIDTH], tl.float32, tile)
         for u in gl.static_range(N):
             lane_max, lane_sum, sum_x_tile = _smem_pass1_step(
-                u, ring, ring_base, kept, logits_row, row_mask, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
+                u, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
                 N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2)
         lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
         row_max = gl.max(lane_max, axis=0)
@@ -627,7 +638,7 @@ def _cross_entropy_smem_kernel(
             loss = lse - x_target
         gl.store(losses_ptr + row, gl.where(valid, gl.where(target_ok, loss, float("nan")), 0.0))
 
-        # ---- pass 2: gradient; an ignored row (all zeros loaded) gets 2^-inf = 0 and no scale or smoothing ----
+        # ---- pass 2: gradient (zeros for an ignored row) ----
         row_scale = gl.load(scale_ptr + row * scale_stride).to(tl.float32)
         scale = gl.where(valid, row_scale, 0.0)
         exponent_offset = gl.log2(row_sum)
@@ -638,10 +649,10 @@ def _cross_entropy_smem_kernel(
         smoothing_term = scale * (label_smoothing / V)
         grad = _softmax_gradient(x_partial, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
                                  HAS_SMOOTHING, FAST_EXP2)
-        gl.store(grad_row + partial_offsets, grad.to(grad_ptr.dtype.element_ty), mask=partial_mask,
-                 eviction_policy="evict_first")
+        gl.store(grad_row + partial_offsets, gl.where(valid, grad, 0.0).to(grad_ptr.dtype.element_ty),
+                 mask=partial_mask, eviction_policy="evict_first")
         for u in gl.static_range(N):
-            _smem_pass2_step(u, ring, ring_base, kept, logits_row, row_mask, next_row_ptr, next_mask, grad_row,
+            _smem_pass2_step(u, ring, ring_base, kept, logits_row, valid, next_row_ptr, next_valid, grad_row,
                              chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile, N, K, Q, BLOCK_V,
                              POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
         # The one-hot term, after every thread's stores of this row (as in the kernel above).
@@ -650,7 +661,8 @@ def _cross_entropy_smem_kernel(
                                         HAS_SMOOTHING, FAST_EXP2) - scale * (1.0 - label_smoothing)
         gl.store(grad_row + target, target_grad.to(grad_ptr.dtype.element_ty), mask=target_ok & valid)
         ring_base = (ring_base + 2 * K) % Q
-    async_copy.wait_group(0)  # the last (masked-off) copies must land before the program exits
+        target = next_target
+    async_copy.wait_group(0)  # no copy may still be writing shared memory when the program exits
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -709,6 +721,7 @@ def _kernel_device_type():
 # row ahead, so that the stash does not cost loads in flight.
 # fp32 logits keep 16384-wide chunks, one per step and no register cap: the unrolled bf16 shape spills there and took
 # 1.50 ms against 1.30 ms at 4096 rows (9b3c258: 1.29 ms).
+_SMEM_MIN_ROWS_PER_SM = 8  # fewer rows than this per multiprocessor go to the row kernel (see the launcher)
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
 _LANE_WIDTH = 8
 
@@ -830,9 +843,13 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     # 16-byte form when the base address and the row strides are multiples of 16; e.g. V = 50257 does not qualify).
     rows_aligned = logits.device.type != "cuda" or (
         logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
+    # Few rows per multiprocessor: the row kernel, whose first rows start at once (the shared-memory kernel's first
+    # row per program waits for all its loads, e.g. 191 against 158 us at 768 rows, a linear cross-entropy chunk).
+    enough_rows = logits.device.type != "cuda" or n_rows >= _SMEM_MIN_ROWS_PER_SM * torch.cuda.get_device_properties(
+        logits.device).multi_processor_count
     smem_plan = None
-    if compute_grad and rows_aligned and (kernel == "smem" or
-                                          kernel is None and all(o is None for o in row_kernel_overrides)):
+    if compute_grad and rows_aligned and (kernel == "smem" or kernel is None and enough_rows and
+                                          all(o is None for o in row_kernel_overrides)):
         smem_plan = _smem_plan(V, logits.element_size(), logits.device, block_v, n_streamed, n_ring)
     if kernel == "smem" and smem_plan is None:
         raise ValueError(f"the shared-memory kernel does not apply here (V={V}, {logits.dtype}, {logits.device}, "
