@@ -487,29 +487,29 @@ def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_valid,
 def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum,
                      sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
                      BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
-    if _is_streamed(U, N, K):
-        ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
-        slot = ring.index((ring_base + ITEM) % Q)
-        async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
-        x = slot.load(tile).to(tl.float32)
-        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-        # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
-        if valid:
+    if valid:  # an ignored row's slots were never filled: nothing to wait for or read, only the group to commit
+        if _is_streamed(U, N, K):
+            ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
+            slot = ring.index((ring_base + ITEM) % Q)
+            async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
+            x = slot.load(tile).to(tl.float32)
+            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+            # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
             if ITEM + Q < K:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
                                                        eviction_policy="evict_last")
             else:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
                                                        eviction_policy="evict_first")
-    else:
-        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
-        # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
-        async_copy.wait_group(N - 1)
-        x = kept.index(CHUNK - K).load(tile).to(tl.float32)
-        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        else:
+            CHUNK: tl.constexpr = _kept_chunk(U, N, K)
+            # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
+            async_copy.wait_group(N - 1)
+            x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        if HAS_SMOOTHING:
+            sum_x_tile += x
     async_copy.commit_group()
-    if HAS_SMOOTHING:
-        sum_x_tile += x
     return lane_max, lane_sum, sum_x_tile
 
 
@@ -628,8 +628,10 @@ def _cross_entropy_smem_kernel(
                 u, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
                 N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2)
         lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
-        row_max = gl.max(lane_max, axis=0)
+        # An ignored row saw nothing (every max -inf): a finite stand-in keeps -inf - (-inf) = NaN out of the merge.
+        row_max = gl.where(valid, gl.max(lane_max, axis=0), 0.0)
         row_sum = gl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
+        row_sum = gl.where(valid, row_sum, 1.0)
         lse = row_max + gl.log(row_sum)
         if HAS_SMOOTHING:
             sum_x = gl.sum(gl.sum(sum_x_tile + gl.where(partial_mask, x_partial, 0.0), axis=1), axis=0)
@@ -768,8 +770,8 @@ def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
     if n_chunks < 2:
         return None
     if device.type == "cuda":
-        n_streamed = n_streamed or min(6, n_chunks - 1)
-        n_ring = n_ring or min(3, n_streamed)
+        n_streamed = n_streamed or min(4, n_chunks - 1)
+        n_ring = n_ring or min(2, n_streamed)
         n_streamed = max(n_streamed, n_chunks + n_ring - slot_budget)  # the kept chunks must fit
     else:
         n_streamed = n_streamed or (n_chunks + 1) // 2
