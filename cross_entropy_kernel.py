@@ -68,6 +68,11 @@ Precision and sizes
 Memory: the default allocates one gradient buffer (one logits size). `inplace_backward=True` writes the gradient
 into the logits buffer itself (+0 bytes).
 
+Two kernels do this: the row kernel (plain Triton, below) and, for 16-bit logits with a gradient on a GPU with
+~227 KB of shared memory per multiprocessor (H100, H200), a shared-memory kernel (Gluon) that keeps most of each row
+on chip between the two passes instead of re-reading it ("The shared-memory kernel" below). Same results, same
+arguments; the launcher picks.
+
 The second half of this file builds the fused *linear* cross-entropy on top of the kernel: loss from hidden states and
 the lm_head weight, never materializing the full [N, V] logits (see "Linear cross-entropy" below).
 """
@@ -335,11 +340,17 @@ def _scale_rows_kernel(
 # exactly the data the step needs. Each thread copies and then reads the same 8 columns, so it only waits for its own
 # copies (Gluon still adds a barrier per step, which it cannot prove unnecessary).
 #
-# Measured on the H200 (16384 x 128256 bf16, loss + gradient in place, same run as the kernel above at 2.50 ms):
-# 8192-wide chunks with 32 warps (one thread per 8 columns), K = 6 streamed chunks, Q = 3 ring slots: 2.33 ms = 85.5 %
-# of copy bandwidth; ncu: 4.6 GB read instead of 6.2, HBM 79 % busy. Keeping more (K = 2-4, Q = 1-2): 2.36-2.39 ms;
-# streaming more (K = 7-8 with Q = 2): 2.56-2.63 ms, the Q-item lead is then too short; 16 warps or 4096-wide chunks:
-# 2.58-2.80 ms.
+# Measured on the H200 (16384 x 128256 bf16, loss + gradient in place; the row kernel below took 2.50 ms in the same
+# runs). 8192-wide chunks with 32 warps (one thread per 8 columns), 2-6 streamed chunks through 1-4 ring slots:
+# 2.28-2.46 ms; ncu (results/ncu_cross_entropy_h200_37f2fa0.csv): 4.6 GB read instead of 6.2, HBM 80 % busy.
+# Streaming more (K = 7-8 with Q = 2): 2.56-2.63 ms, the Q-item lead is then too short; 16 warps or 4096-wide chunks:
+# 2.58-2.80 ms. Three details were worth 1.5-2.5 % each: the copies of an ignored row are skipped with a branch rather
+# than masked (masked cp.async: 2.37 -> 2.43 ms); each row's target is loaded one row ahead (the loads that need it no
+# longer stall the row's start: 2.37 -> 2.32 ms); and a chunk is used before its slot is refilled. Once the target
+# came early, K = 4, Q = 2 beat K = 6, Q = 3 (2.284 against 2.316 ms, two rounds of one run), so it is the default.
+# With few rows per program the first row's loads are not hidden: 768 rows took 247 us against the row kernel's 156,
+# 1536 rows 264 against 274, hence the row kernel below 8 rows per multiprocessor (the linear cross-entropy's chunks
+# of 768 rows stay on it).
 #
 # On the CPU interpreter Gluon does not run, so the same kernel source runs as a Triton kernel through a small
 # stand-in for the Gluon names it uses (_InterpretedGluon below): layouts are ignored, a shared-memory slot is a
@@ -750,7 +761,7 @@ def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
     per program or without cp.async (compute capability < 8), a Triton without Gluon. The keywords are for tests and
     sweeps.
 
-    GPU: 8192-wide chunks, 32 warps, K = 6 streamed chunks through Q = 3 ring slots (measured, see above), more
+    GPU: 8192-wide chunks, 32 warps, K = 4 streamed chunks through Q = 2 ring slots (measured, see above), more
     streamed chunks when the kept ones would not fit. CPU interpreter: 256-wide chunks (one warp of 8-column lanes)
     and about half the chunks streamed through two slots, so that the tests run every kind of step.
     """
