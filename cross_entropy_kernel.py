@@ -341,16 +341,18 @@ def _scale_rows_kernel(
 # copies (Gluon still adds a barrier per step, which it cannot prove unnecessary).
 #
 # Measured on the H200 (16384 x 128256 bf16, loss + gradient in place; the row kernel below took 2.50 ms in the same
-# runs). 8192-wide chunks with 32 warps (one thread per 8 columns), 2-6 streamed chunks through 1-4 ring slots:
-# 2.28-2.46 ms; ncu (results/ncu_cross_entropy_h200_37f2fa0.csv): 4.6 GB read instead of 6.2, HBM 80 % busy.
-# Streaming more (K = 7-8 with Q = 2): 2.56-2.63 ms, the Q-item lead is then too short; 16 warps or 4096-wide chunks:
-# 2.58-2.80 ms. Three details were worth 1.5-2.5 % each: the copies of an ignored row are skipped with a branch rather
-# than masked (masked cp.async: 2.37 -> 2.43 ms); each row's target is loaded one row ahead (the loads that need it no
-# longer stall the row's start: 2.37 -> 2.32 ms); and a chunk is used before its slot is refilled. Once the target
-# came early, K = 4, Q = 2 beat K = 6, Q = 3 (2.284 against 2.316 ms, two rounds of one run), so it is the default.
-# With few rows per program the first row's loads are not hidden: 768 rows took 247 us against the row kernel's 156,
-# 1536 rows 264 against 274, hence the row kernel below 8 rows per multiprocessor (the linear cross-entropy's chunks
-# of 768 rows stay on it).
+# runs). 8192-wide chunks with 32 warps (one thread per 8 columns), K = 6 streamed chunks through Q = 3 ring slots:
+# 2.32 ms = 85.4 % of copy bandwidth (kernel alone; 2.33 ms through autograd in benchmark_kernels.py); ncu
+# (results/ncu_cross_entropy_h200_37f2fa0.csv): 4.6 GB read instead of 6.2, HBM 80 % busy. Other K, Q: 2.28-2.46 ms;
+# K = 4, Q = 2 was the fastest in the last run (2.284 against 2.316 ms, two rounds) but has not been through the GPU
+# tests as the default yet. Streaming more (K = 7-8 with Q = 2): 2.56-2.63 ms, the Q-item lead is then too short;
+# 16 warps or 4096-wide chunks: 2.58-2.80 ms. Three details were worth 1.5-2.5 % each: the copies of an ignored row
+# are skipped with a branch rather than masked (masked cp.async: 2.37 -> 2.43 ms); each row's target is loaded one row
+# ahead (the loads that need it no longer stall the row's start: 2.37 -> 2.32 ms); and a chunk is used before its slot
+# is refilled. An ignored row still runs pass 1 on stale slots (its results are discarded): with half the rows ignored
+# this kernel took 2.14 ms against the row kernel's 1.85, which skips them outright. With few rows per program the
+# first row's loads are not hidden: 768 rows took 247 us against the row kernel's 156, 1536 rows 264 against 274, hence
+# the row kernel below 8 rows per multiprocessor (the linear cross-entropy's chunks of 768 rows stay on it).
 #
 # On the CPU interpreter Gluon does not run, so the same kernel source runs as a Triton kernel through a small
 # stand-in for the Gluon names it uses (_InterpretedGluon below): layouts are ignored, a shared-memory slot is a
@@ -498,29 +500,29 @@ def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_valid,
 def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum,
                      sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
                      BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
-    if valid:  # an ignored row's slots were never filled: nothing to wait for or read, only the group to commit
-        if _is_streamed(U, N, K):
-            ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
-            slot = ring.index((ring_base + ITEM) % Q)
-            async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
-            x = slot.load(tile).to(tl.float32)
-            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-            # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
+    if _is_streamed(U, N, K):
+        ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
+        slot = ring.index((ring_base + ITEM) % Q)
+        async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
+        x = slot.load(tile).to(tl.float32)
+        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
+        if valid:
             if ITEM + Q < K:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
                                                        eviction_policy="evict_last")
             else:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
                                                        eviction_policy="evict_first")
-        else:
-            CHUNK: tl.constexpr = _kept_chunk(U, N, K)
-            # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
-            async_copy.wait_group(N - 1)
-            x = kept.index(CHUNK - K).load(tile).to(tl.float32)
-            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-        if HAS_SMOOTHING:
-            sum_x_tile += x
+    else:
+        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
+        # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
+        async_copy.wait_group(N - 1)
+        x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
     async_copy.commit_group()
+    if HAS_SMOOTHING:
+        sum_x_tile += x
     return lane_max, lane_sum, sum_x_tile
 
 
@@ -639,10 +641,8 @@ def _cross_entropy_smem_kernel(
                 u, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
                 N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2)
         lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
-        # An ignored row saw nothing (every max -inf): a finite stand-in keeps -inf - (-inf) = NaN out of the merge.
-        row_max = gl.where(valid, gl.max(lane_max, axis=0), 0.0)
+        row_max = gl.max(lane_max, axis=0)
         row_sum = gl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
-        row_sum = gl.where(valid, row_sum, 1.0)
         lse = row_max + gl.log(row_sum)
         if HAS_SMOOTHING:
             sum_x = gl.sum(gl.sum(sum_x_tile + gl.where(partial_mask, x_partial, 0.0), axis=1), axis=0)
@@ -761,7 +761,7 @@ def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
     per program or without cp.async (compute capability < 8), a Triton without Gluon. The keywords are for tests and
     sweeps.
 
-    GPU: 8192-wide chunks, 32 warps, K = 4 streamed chunks through Q = 2 ring slots (measured, see above), more
+    GPU: 8192-wide chunks, 32 warps, K = 6 streamed chunks through Q = 3 ring slots (measured, see above), more
     streamed chunks when the kept ones would not fit. CPU interpreter: 256-wide chunks (one warp of 8-column lanes)
     and about half the chunks streamed through two slots, so that the tests run every kind of step.
     """
@@ -781,8 +781,8 @@ def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
     if n_chunks < 2:
         return None
     if device.type == "cuda":
-        n_streamed = n_streamed or min(4, n_chunks - 1)
-        n_ring = n_ring or min(2, n_streamed)
+        n_streamed = n_streamed or min(6, n_chunks - 1)
+        n_ring = n_ring or min(3, n_streamed)
         n_streamed = max(n_streamed, n_chunks + n_ring - slot_budget)  # the kept chunks must fit
     else:
         n_streamed = n_streamed or (n_chunks + 1) // 2
