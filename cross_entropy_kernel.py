@@ -340,7 +340,7 @@ def _scale_rows_kernel(
 # exactly the data the step needs. Each thread copies and then reads the same 8 columns, so it only waits for its own
 # copies (Gluon still adds a barrier per step, which it cannot prove unnecessary).
 #
-# Measured on the H200 (16384 x 128256 bf16, loss + gradient in place; the row kernel below took 2.50 ms in the same
+# Measured on the H200 (16384 x 128256 bf16, loss + gradient in place; the row kernel above took 2.50 ms in the same
 # runs). 8192-wide chunks with 32 warps (one thread per 8 columns), K = 6 streamed chunks through Q = 3 ring slots:
 # 2.32 ms = 85.4 % of copy bandwidth (kernel alone; 2.33 ms through autograd in benchmark_kernels.py); ncu
 # (results/ncu_cross_entropy_h200_37f2fa0.csv): 4.6 GB read instead of 6.2, HBM 80 % busy. Other K, Q: 2.28-2.46 ms;
@@ -351,8 +351,8 @@ def _scale_rows_kernel(
 # ahead (the loads that need it no longer stall the row's start: 2.37 -> 2.32 ms); and a chunk is used before its slot
 # is refilled. An ignored row still runs pass 1 on stale slots (its results are discarded): with half the rows ignored
 # this kernel took 2.14 ms against the row kernel's 1.85, which skips them outright. With few rows per program the
-# first row's loads are not hidden: 768 rows took 247 us against the row kernel's 156, 1536 rows 264 against 274, hence
-# the row kernel below 8 rows per multiprocessor (the linear cross-entropy's chunks of 768 rows stay on it).
+# first row's loads are not hidden: 768 rows took 247 us against the row kernel's 156, 1536 rows 264 against 274, so
+# the launcher keeps the row kernel under 8 rows per multiprocessor (the linear cross-entropy's 768-row chunks too).
 #
 # On the CPU interpreter Gluon does not run, so the same kernel source runs as a Triton kernel through a small
 # stand-in for the Gluon names it uses (_InterpretedGluon below): layouts are ignored, a shared-memory slot is a
