@@ -371,23 +371,23 @@ class _InterpretedGluon:
     BlockedLayout = SliceLayout = SwizzledSharedLayout = _Layout
 
     class _SharedSlot:
-        def __init__(self, slots, index):
-            self.slots, self.index = slots, int(index)
+        def __init__(self, buffer, index):
+            self.buffer, self.index = buffer, int(index)
 
         def store(self, value):
-            self.slots[self.index] = value
+            self.buffer.values[self.index] = value
 
         def load(self, layout):
-            if self.index not in self.slots:  # never filled (an ignored first row): whatever, as on the GPU
-                return tl.zeros(self.slots["shape"], self.slots["dtype"])
-            return self.slots[self.index]
+            if self.index not in self.buffer.values:  # never filled (an ignored first row): whatever, as on the GPU
+                return tl.zeros(self.buffer.slot_shape, self.buffer.dtype)
+            return self.buffer.values[self.index]
 
     class _SharedBuffer:
         def __init__(self, dtype, slot_shape):
-            self.slots = {"dtype": dtype, "shape": slot_shape}
+            self.dtype, self.slot_shape, self.values = dtype, slot_shape, {}
 
         def index(self, i):
-            return _InterpretedGluon._SharedSlot(self.slots, i)
+            return _InterpretedGluon._SharedSlot(self, i)
 
     def __getattr__(self, name):
         # Looked up at call time: the interpreter patches triton.language's functions while a kernel runs.
@@ -755,11 +755,11 @@ def _launch_shape(V, itemsize, device_type):
     return min(16384, triton.next_power_of_2(max(V, 1))), 32, 1, None
 
 
-def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
+def _smem_plan(V, itemsize, properties, block_v=None, n_streamed=None, n_ring=None):
     """(BLOCK_V, num_warps, N_CHUNKS, K, Q) for the shared-memory kernel, or None where it does not apply: fp32
     logits (half as much of the row would fit), vocabularies under two chunks, a GPU without ~200 KB of shared memory
     per program or without cp.async (compute capability < 8), a Triton without Gluon. The keywords are for tests and
-    sweeps.
+    sweeps. `properties`: torch.cuda.get_device_properties of the logits' GPU, None on the CPU interpreter.
 
     GPU: 8192-wide chunks, 32 warps, K = 6 streamed chunks through Q = 3 ring slots (measured, see above), more
     streamed chunks when the kept ones would not fit. CPU interpreter: 256-wide chunks (one warp of 8-column lanes)
@@ -767,8 +767,7 @@ def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
     """
     if itemsize != 2 or not _HAVE_GLUON:
         return None
-    if device.type == "cuda":
-        properties = torch.cuda.get_device_properties(device)
+    if properties is not None:
         shared_bytes = getattr(properties, "shared_memory_per_block_optin", 0)
         if properties.major < 8 or shared_bytes < 200 * 1024:
             return None
@@ -780,7 +779,7 @@ def _smem_plan(V, itemsize, device, block_v=None, n_streamed=None, n_ring=None):
     n_chunks = V // block_v
     if n_chunks < 2:
         return None
-    if device.type == "cuda":
+    if properties is not None:
         n_streamed = n_streamed or min(6, n_chunks - 1)
         n_ring = n_ring or min(3, n_streamed)
         n_streamed = max(n_streamed, n_chunks + n_ring - slot_budget)  # the kept chunks must fit
@@ -847,6 +846,8 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     if n_rows == 0:
         return
     compute_grad = grad is not None
+    on_gpu = logits.device.type == "cuda"
+    properties = torch.cuda.get_device_properties(logits.device) if on_gpu else None
     rows_per_batch, stride_b, stride_t = _row_layout(logits)
     grad_rows_per_batch, grad_stride_b, grad_stride_t = _row_layout(grad) if compute_grad else (rows_per_batch, 0, 0)
     assert grad_rows_per_batch == rows_per_batch
@@ -854,32 +855,28 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     row_kernel_overrides = (lane_width, num_warps, programs_per_sm, chunks_per_step, maxnreg)
     # cp.async copies 16 bytes per thread, so on the GPU every row must start 16-byte aligned (Triton compiles the
     # 16-byte form when the base address and the row strides are multiples of 16; e.g. V = 50257 does not qualify).
-    rows_aligned = logits.device.type != "cuda" or (
-        logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
+    rows_aligned = not on_gpu or (logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
     # Few rows per multiprocessor: the row kernel, whose first rows start at once (the shared-memory kernel's first
-    # row per program waits for all its loads, e.g. 191 against 158 us at 768 rows, a linear cross-entropy chunk).
-    enough_rows = logits.device.type != "cuda" or n_rows >= _SMEM_MIN_ROWS_PER_SM * torch.cuda.get_device_properties(
-        logits.device).multi_processor_count
+    # row per program waits for all its loads, e.g. 247 against 156 us at 768 rows, a linear cross-entropy chunk).
+    enough_rows = not on_gpu or n_rows >= _SMEM_MIN_ROWS_PER_SM * properties.multi_processor_count
     smem_plan = None
     if compute_grad and rows_aligned and (kernel == "smem" or kernel is None and enough_rows and
                                           all(o is None for o in row_kernel_overrides)):
-        smem_plan = _smem_plan(V, logits.element_size(), logits.device, block_v, n_streamed, n_ring)
+        smem_plan = _smem_plan(V, logits.element_size(), properties, block_v, n_streamed, n_ring)
     if kernel == "smem" and smem_plan is None:
         raise ValueError(f"the shared-memory kernel does not apply here (V={V}, {logits.dtype}, {logits.device}, "
                          f"gradient: {compute_grad}, rows 16-byte aligned: {rows_aligned})")
     if smem_plan is not None:
         block_v, num_warps, n_chunks, n_streamed, n_ring = smem_plan
-        if logits.device.type == "cuda":  # one program per multiprocessor: it takes the shared memory
-            n_programs = min(n_rows, torch.cuda.get_device_properties(logits.device).multi_processor_count)
-        else:
-            n_programs = min(n_rows, 4)
+        # One program per multiprocessor on the GPU (it takes the shared memory); the interpreter runs them in turn.
+        n_programs = min(n_rows, properties.multi_processor_count if on_gpu else 4)
         _cross_entropy_smem_kernel[(n_programs,)](
             logits, grad, targets_flat, losses, scale,
             n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
             targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing),
             BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
             HAS_SMOOTHING=label_smoothing > 0.0, POSITIVE_SCALE=positive_scale,
-            FAST_EXP2=logits.device.type == "cuda", NUM_WARPS=num_warps, num_warps=num_warps,
+            FAST_EXP2=on_gpu, NUM_WARPS=num_warps, num_warps=num_warps,
         )
         return
     auto_block_v, auto_num_warps, auto_chunks_per_step, auto_maxnreg = _launch_shape(V, logits.element_size(),
@@ -889,9 +886,8 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     block_v = block_v or auto_block_v
     num_warps = num_warps or auto_num_warps
     chunks_per_step = chunks_per_step or auto_chunks_per_step
-    if logits.device.type == "cuda":
-        sm_count = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        n_programs = min(n_rows, (programs_per_sm or _PROGRAMS_PER_SM) * sm_count)
+    if on_gpu:
+        n_programs = min(n_rows, (programs_per_sm or _PROGRAMS_PER_SM) * properties.multi_processor_count)
     else:
         n_programs = min(n_rows, 4)  # the interpreter runs programs one after another anyway
     _cross_entropy_kernel[(n_programs,)](
