@@ -149,6 +149,25 @@ def _row_start(base_ptr, row, rows_per_batch, stride_b, stride_t):
 
 
 @triton.jit
+def _merge_lanes(lane_max, lane_sum, FAST_EXP2: tl.constexpr):
+    """Combine the lanes once per row: the row max, and every lane's sum rescaled to it."""
+    row_max = tl.max(lane_max, axis=0)
+    row_sum = tl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
+    return row_max, row_sum
+
+
+@triton.jit
+def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING: tl.constexpr):
+    """(1 - eps) * (lse - x_target) + (eps / V) * sum_j (lse - x_j), with lse = row_max + log(row_sum)."""
+    lse = row_max + tl.log(row_sum)
+    if HAS_SMOOTHING:
+        sum_x = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
+        return lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
+    else:
+        return lse - x_target
+
+
+@triton.jit
 def _cross_entropy_kernel(
     logits_ptr,  # [N, V] rows (any row strides, unit column stride), fp32/bf16/fp16
     grad_ptr,  # where dlogits goes: its own buffer, or logits_ptr itself (in-place mode)
@@ -227,16 +246,8 @@ def _cross_entropy_kernel(
             lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
             if HAS_SMOOTHING:
                 sum_x_tile += tl.where(partial_mask, x_partial, 0.0)
-            # Combine the lanes once per row: the row max, and every lane's sum rescaled to it.
-            row_max = tl.max(lane_max, axis=0)
-            row_sum = tl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
-            lse = row_max + tl.log(row_sum)
-
-            if HAS_SMOOTHING:
-                sum_x = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
-                loss = lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
-            else:
-                loss = lse - x_target
+            row_max, row_sum = _merge_lanes(lane_max, lane_sum, FAST_EXP2)
+            loss = _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING)
             tl.store(losses_ptr + row, tl.where(target_ok, loss, float("nan")))
 
             # ---- pass 2: gradient, dx_j = scale * (softmax_j - eps / V), the target's entry fixed last ------------
@@ -500,29 +511,29 @@ def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_valid,
 def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum,
                      sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
                      BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
-    if _is_streamed(U, N, K):
-        ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
-        slot = ring.index((ring_base + ITEM) % Q)
-        async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
-        x = slot.load(tile).to(tl.float32)
-        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-        # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
-        if valid:
+    if valid:  # an ignored row's slots were never filled: nothing to wait for or read, only the group to commit
+        if _is_streamed(U, N, K):
+            ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
+            slot = ring.index((ring_base + ITEM) % Q)
+            async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
+            x = slot.load(tile).to(tl.float32)
+            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+            # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
             if ITEM + Q < K:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
                                                        eviction_policy="evict_last")
             else:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
                                                        eviction_policy="evict_first")
-    else:
-        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
-        # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
-        async_copy.wait_group(N - 1)
-        x = kept.index(CHUNK - K).load(tile).to(tl.float32)
-        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        else:
+            CHUNK: tl.constexpr = _kept_chunk(U, N, K)
+            # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
+            async_copy.wait_group(N - 1)
+            x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        if HAS_SMOOTHING:
+            sum_x_tile += x
     async_copy.commit_group()
-    if HAS_SMOOTHING:
-        sum_x_tile += x
     return lane_max, lane_sum, sum_x_tile
 
 
@@ -641,14 +652,11 @@ def _cross_entropy_smem_kernel(
                 u, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
                 N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2)
         lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
-        row_max = gl.max(lane_max, axis=0)
-        row_sum = gl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
-        lse = row_max + gl.log(row_sum)
         if HAS_SMOOTHING:
-            sum_x = gl.sum(gl.sum(sum_x_tile + gl.where(partial_mask, x_partial, 0.0), axis=1), axis=0)
-            loss = lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
-        else:
-            loss = lse - x_target
+            sum_x_tile += gl.where(partial_mask, x_partial, 0.0)
+        # An ignored row read nothing (every lane max -inf): its statistics are NaN, discarded by the `valid` selects.
+        row_max, row_sum = _merge_lanes(lane_max, lane_sum, FAST_EXP2)
+        loss = _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING)
         gl.store(losses_ptr + row, gl.where(valid, gl.where(target_ok, loss, float("nan")), 0.0))
 
         # ---- pass 2: gradient (zeros for an ignored row) ----
@@ -780,8 +788,8 @@ def _smem_plan(V, itemsize, properties, block_v=None, n_streamed=None, n_ring=No
     if n_chunks < 2:
         return None
     if properties is not None:
-        n_streamed = n_streamed or min(6, n_chunks - 1)
-        n_ring = n_ring or min(3, n_streamed)
+        n_streamed = n_streamed or min(4, n_chunks - 1)
+        n_ring = n_ring or min(2, n_streamed)
         n_streamed = max(n_streamed, n_chunks + n_ring - slot_budget)  # the kept chunks must fit
     else:
         n_streamed = n_streamed or (n_chunks + 1) // 2
