@@ -352,18 +352,18 @@ def _scale_rows_kernel(
 # copies (Gluon still adds a barrier per step, which it cannot prove unnecessary).
 #
 # Measured on the H200 (16384 x 128256 bf16, loss + gradient in place; the row kernel above took 2.50 ms in the same
-# runs). 8192-wide chunks with 32 warps (one thread per 8 columns), K = 6 streamed chunks through Q = 3 ring slots:
-# 2.32 ms = 85.4 % of copy bandwidth (kernel alone; 2.33 ms through autograd in benchmark_kernels.py); ncu
-# (results/ncu_cross_entropy_h200_37f2fa0.csv): 4.6 GB read instead of 6.2, HBM 80 % busy. Other K, Q: 2.28-2.46 ms;
-# K = 4, Q = 2 was the fastest in the last run (2.284 against 2.316 ms, two rounds) but has not been through the GPU
-# tests as the default yet. Streaming more (K = 7-8 with Q = 2): 2.56-2.63 ms, the Q-item lead is then too short;
-# 16 warps or 4096-wide chunks: 2.58-2.80 ms. Three details were worth 1.5-2.5 % each: the copies of an ignored row
-# are skipped with a branch rather than masked (masked cp.async: 2.37 -> 2.43 ms); each row's target is loaded one row
-# ahead (the loads that need it no longer stall the row's start: 2.37 -> 2.32 ms); and a chunk is used before its slot
-# is refilled. An ignored row still runs pass 1 on stale slots (its results are discarded): with half the rows ignored
-# this kernel took 2.14 ms against the row kernel's 1.85, which skips them outright. With few rows per program the
-# first row's loads are not hidden: 768 rows took 247 us against the row kernel's 156, 1536 rows 264 against 274, so
-# the launcher keeps the row kernel under 8 rows per multiprocessor (the linear cross-entropy's 768-row chunks too).
+# runs). 8192-wide chunks with 32 warps (one thread per 8 columns), K = 4 streamed chunks through Q = 2 ring slots:
+# 2.27 ms = 87 % of copy bandwidth (kernel alone; 2.28 ms = 86 % through autograd in benchmark_kernels.py at 30dd20d);
+# ncu (results/ncu_cross_entropy_h200_30dd20d.csv): 4.4 GB read instead of 6.2, HBM 80 % busy. Other K, Q in the
+# same run: K = 3-4 with Q = 2-3 took 2.27 ms, K = 5-6 2.30 ms; a single ring slot (K = 4, Q = 1) 2.62 ms, and
+# streaming more (K = 7-8 with Q = 2, an earlier run) 2.56-2.63 ms: a streamed chunk's load is then issued too few
+# steps before its use. 16 warps or 4096-wide chunks: 2.58-2.80 ms. Three details were worth 1.5-2.5 % each: the
+# copies of an ignored row are skipped with a branch rather than masked (masked cp.async: 2.37 -> 2.43 ms); each
+# row's target is loaded one row ahead (the loads that need it no longer stall the row's start: 2.37 -> 2.32 ms); and
+# a chunk is used before its slot is refilled. An ignored row reads nothing: its pass 1 only commits its (empty)
+# groups, which keeps the wait counts fixed, and its pass 2 stores zeros. With few rows per program the first row's
+# loads are not hidden: 768 rows took 247 us against the row kernel's 156, 1536 rows 264 against 274, so the launcher
+# keeps the row kernel under 8 rows per multiprocessor (the linear cross-entropy's 768-row chunks too).
 #
 # On the CPU interpreter Gluon does not run, so the same kernel source runs as a Triton kernel through a small
 # stand-in for the Gluon names it uses (_InterpretedGluon below): layouts are ignored, a shared-memory slot is a
@@ -769,7 +769,7 @@ def _smem_plan(V, itemsize, properties, block_v=None, n_streamed=None, n_ring=No
     per program or without cp.async (compute capability < 8), a Triton without Gluon. The keywords are for tests and
     sweeps. `properties`: torch.cuda.get_device_properties of the logits' GPU, None on the CPU interpreter.
 
-    GPU: 8192-wide chunks, 32 warps, K = 6 streamed chunks through Q = 3 ring slots (measured, see above), more
+    GPU: 8192-wide chunks, 32 warps, K = 4 streamed chunks through Q = 2 ring slots (measured, see above), more
     streamed chunks when the kept ones would not fit. CPU interpreter: 256-wide chunks (one warp of 8-column lanes)
     and about half the chunks streamed through two slots, so that the tests run every kind of step.
     """
