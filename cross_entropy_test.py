@@ -10,6 +10,7 @@ ERROR_FACTOR, or below a small per-dtype floor. Gradients are compared on the wh
 On the CPU the kernels run on Triton's interpreter, so the shapes are toys; the GPU-only checks (int64 offsets past
 2^31 elements, peak memory, LLaMA-3 sizes) are skipped there.
 """
+import argparse
 import sys
 
 import pytest
@@ -697,6 +698,8 @@ def all_checks():
 
 
 def main():
+    # No options (pytest has them, e.g. -k); --help prints what the checks are and how they pass.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     where = torch.cuda.get_device_name() if ON_GPU else "cpu (Triton interpreter)"
     print(f"Fused cross-entropy tests on {where}, torch {torch.__version__}")
     counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}

@@ -9,6 +9,7 @@ no worse than PyTorch's error times a small factor, plus a tiny floor. All-zero 
 near 1 and fail; every check draws fresh random data (the seed is printed on failure) and a random weight (not ones,
 which would hide a missing multiply in the backward pass).
 """
+import argparse
 import os
 import sys
 from types import SimpleNamespace
@@ -267,6 +268,8 @@ def test_int64_offsets_past_2_to_the_31():
 # Script entry point: the playbook-style report
 # ---------------------------------------------------------------------------------------------------------------------
 def main():
+    # No options (pytest has them, e.g. -k); --help prints what the checks are and how they pass.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"RMSNorm kernel tests on {'the CPU interpreter' if ON_INTERPRETER else torch.cuda.get_device_name()}"
           f" (error factor vs PyTorch: {ERROR_FACTOR})")
     failures = 0

@@ -14,6 +14,7 @@ PASSED/FAILED report and exits non-zero on failure. Both paths run the same chec
 Without a GPU the kernels run on the CPU interpreter, so CPU shapes are small; the GPU-only tests use LLaMA-3.1-8B's
 MLP shape.
 """
+import argparse
 import copy
 import sys
 import traceback
@@ -442,6 +443,8 @@ def _all_cases():
 
 
 def main():
+    # No options (pytest has them, e.g. -k); --help prints what the checks are and how they pass.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"SwiGLU kernel tests on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu (Triton interpreter)'}")
     counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}
     for name, check, args, gpu_only in _all_cases():

@@ -1,0 +1,22 @@
+"""Every script at the repository root answers --help (and exits 0) without running its job."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ["profile_baseline.py", "rmsnorm_test.py", "cross_entropy_test.py", "swiglu_test.py", "rope_test.py",
+           "benchmark_kernels.py", "finetune_baseline.py", "finetune_optimized.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    result = subprocess.run([sys.executable, script, "--help"], cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"usage: {script}" in result.stdout
+    # The test scripts' help is their docstring: how a check passes, not a bare usage line.
+    if script.endswith("_test.py"):
+        assert "reference" in result.stdout.lower()
