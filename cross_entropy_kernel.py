@@ -618,20 +618,12 @@ def _cross_entropy_smem_kernel(
     chunk_offsets = lane_index * LANE_WIDTH + gl.arange(0, LANE_WIDTH, layout=columns)[None, :]
     partial_offsets = N * BLOCK_V + chunk_offsets
     partial_mask = partial_offsets < V
-    program = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    # Iteration i of program p takes row i * P + (p + i) % P: each block of P consecutive rows is shared by all the
-    # programs, as with rows p + i * P, but a program's rows also rotate through the residues mod P. With rows
-    # p + i * P, an ignore mask whose period divides P gave some programs only ignored rows and others all the work
-    # (every other row ignored: 2.19 ms against the row kernel's 1.86). The last, partial block has n_rows % P rows:
-    # the programs whose turn falls past its end stop one iteration early.
-    n_full_blocks = n_rows // n_programs
-    n_my_rows = n_full_blocks + ((program + n_full_blocks) % n_programs < n_rows % n_programs).to(tl.int32)
 
     # An ignored row's logits are never read: the copies of a row are skipped (a branch taken by the whole program,
     # not a copy mask: masked cp.async made the kernel 2.5 % slower) when its target is ignore_index, and past the
     # last row. Each row's target is loaded one row ahead, so the row can start without waiting for it.
-    row = tl.cast(program, tl.int64)  # iteration 0
+    row = tl.cast(gl.program_id(0), tl.int64)
     target = gl.load(targets_ptr + row * targets_stride).to(tl.int64)
     logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
     # Prologue: the first row's loads, as the pass 2 of a row before it would issue them (one group per step).
@@ -641,16 +633,14 @@ def _cross_entropy_smem_kernel(
         _smem_prologue_step(u, ring, kept, logits_row, target != ignore_index, chunk_offsets, N, K, Q, BLOCK_V)
 
     ring_base = 0  # ring slot of this row's item 0: each row moves the ring on by 2K items
-    for i in range(0, n_my_rows):
-        row = tl.cast(i * n_programs + (program + i) % n_programs, tl.int64)
+    for row_index in range(gl.program_id(0), n_rows, n_programs):
+        row = tl.cast(row_index, tl.int64)
         logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
         grad_row = _row_start(grad_ptr, row, rows_per_batch, grad_stride_b, grad_stride_t)
         valid = target != ignore_index
-        next_row = tl.cast((i + 1) * n_programs + (program + i + 1) % n_programs, tl.int64)
-        next_in_range = next_row < n_rows  # false exactly at this program's last iteration
-        next_row = gl.minimum(next_row, n_rows - 1)  # clamped: a valid address even past the end
+        next_row = gl.minimum(row + n_programs, n_rows - 1)  # clamped: a valid address even past the end
         next_target = gl.load(targets_ptr + next_row * targets_stride).to(tl.int64)
-        next_valid = next_in_range & (next_target != ignore_index)
+        next_valid = (row + n_programs < n_rows) & (next_target != ignore_index)
         next_row_ptr = _row_start(logits_ptr, next_row, rows_per_batch, logits_stride_b, logits_stride_t)
 
         target_ok = (target >= 0) & (target < V)
