@@ -366,9 +366,12 @@ def _scale_rows_kernel(
 # sequences of 2048 tokens (39 % of rows) 1.87 against 1.98 ms, prompts and right padding in 16 x 1024 (44 %) 1.83
 # against 1.94, a random half of the rows 1.82 against 1.86. A program takes every P-th row (P = multiprocessors),
 # so a mask with a period that divides P unbalances the programs: with every other row ignored, half the programs
-# get all the work and this kernel takes 2.19 ms against the row kernel's 1.86. With few rows per program the first
-# row's loads are not hidden: 768 rows took 247 us against the row kernel's 156, 1536 rows 264 against 274, so the
-# launcher keeps the row kernel under 8 rows per multiprocessor (the linear cross-entropy's 768-row chunks too).
+# get all the work and this kernel takes 2.19 ms against the row kernel's 1.86. Rotating the rows (iteration i of
+# program p on row i * P + (p + i) % P, commit 98e6387) balanced that case (1.76 ms) but cost 5 % without ignored rows
+# (2.41 against 2.28 ms, the row kernel at 2.50 in both runs; ncu: the same 4.4 GB read, HBM 75 % busy instead of 80),
+# so it was reverted: masks come in runs of prompt and padding tokens, not every other row. With few rows per program
+# the first row's loads are not hidden: 768 rows took 247 us against the row kernel's 156, 1536 rows 264 against 274,
+# so the launcher keeps the row kernel under 8 rows per multiprocessor (the linear cross-entropy's 768-row chunks too).
 #
 # On the CPU interpreter Gluon does not run, so the same kernel source runs as a Triton kernel through a small
 # stand-in for the Gluon names it uses (_InterpretedGluon below): layouts are ignored, a shared-memory slot is a
