@@ -22,6 +22,9 @@ What one run does
      timed by calling `backward(retain_graph=True)` repeatedly on one fixed forward; providers whose backward can run
      only once (ours and Liger compute the cross-entropy gradient inside the forward) get "fwd+bwd - fwd" instead,
      marked "derived".
+   - host time: the CPU time of one forward and one forward+backward call while the GPU runs behind (median of ten
+     calls back to back, no synchronization). When it approaches the GPU time, the op is host-bound: Python, autograd
+     and kernel launches set its speed, and a faster kernel would not show.
    - effective bandwidth from the MINIMAL bytes each phase must move (formulas below, also in every JSON row), and its
      percentage of the measured copy bandwidth. Extra traffic a provider makes (fp32 copies, saved intermediates)
      shows up as a lower GB/s, which is the point.
@@ -100,6 +103,9 @@ ERROR_FLOOR = ({torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5} 
                {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11})
 MIN_TIMED_CALLS = 5  # slow providers (100 ms linear CE) still get this many timed calls
 CPU_TIMED_CALLS = 3
+# Host time: calls back to back without synchronizing. Ten calls launch at most a few hundred kernels, far from the
+# 1024 that fill CUDA's launch queue (past that the host would wait for the GPU and time it instead).
+HOST_TIMED_CALLS = 10 if ON_GPU else 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -526,12 +532,33 @@ def time_ms(fn, grad_to_none, rep_ms, warmup_ms):
     return float(median), float(p20), float(p80)
 
 
+def host_ms(fn, grad_to_none):
+    """Median CPU time of one call (ms) while the GPU runs behind: what Python, autograd and the launches cost the
+    host. When it comes close to the GPU time, the host sets the pace and faster kernels would not show. A provider
+    that synchronizes (Liger's cross-entropy calls .item()) waits for its own kernels here too."""
+    fn()
+    if ON_GPU:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(HOST_TIMED_CALLS):
+        for tensor in grad_to_none:
+            tensor.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    return float(np.median(times))
+
+
 def time_phases(fn, case, rep_ms, warmup_ms):
-    """{"fwd": (median, p20, p80), "bwd": ..., "fwd+bwd": ...} and how bwd was obtained."""
+    """({"fwd": (median, p20, p80), "bwd": ..., "fwd+bwd": ...}, how bwd was obtained, {"fwd": host ms,
+    "fwd+bwd": host ms})."""
     args, dy = case.fresh()
     leaves = [a for a in args if a.requires_grad]
-    phases = {"fwd": time_ms(lambda: fn(*args), leaves, rep_ms, warmup_ms),
-              "fwd+bwd": time_ms(lambda: run_backward(fn(*args), dy), leaves, rep_ms, warmup_ms)}
+    forward, step = (lambda: fn(*args)), (lambda: run_backward(fn(*args), dy))
+    phases = {"fwd": time_ms(forward, leaves, rep_ms, warmup_ms), "fwd+bwd": time_ms(step, leaves, rep_ms, warmup_ms)}
+    host = {"fwd": host_ms(forward, leaves), "fwd+bwd": host_ms(step, leaves)}
     out = fn(*args)
 
     def backward_again():
@@ -553,7 +580,7 @@ def time_phases(fn, case, rep_ms, warmup_ms):
         # Two medians' difference: a near-empty backward can come out slightly negative; that is noise, shown as 0.
         phases["bwd"] = (max(0.0, phases["fwd+bwd"][0] - phases["fwd"][0]), None, None)
         bwd_method = "derived: max(0, fwd+bwd - fwd) (the backward can run only once)"
-    return phases, bwd_method
+    return phases, bwd_method, host
 
 
 def measure_copy_bandwidth(copy_gib):
@@ -628,7 +655,7 @@ def benchmark_kernel(kernel, args, copy_gbps):
                 if not passed and provider.startswith("ours"):
                     failures.append(f"{kernel}/{provider} N={tokens}: error {err} above the limit {limits}")
                 row_head["peak_mb"] = peak_mb_above_inputs(fn, case)
-                phases, bwd_method = time_phases(fn, case, args.rep_ms, args.warmup_ms)
+                phases, bwd_method, host = time_phases(fn, case, args.rep_ms, args.warmup_ms)
             except Exception as exc:  # a provider that breaks is a row, not a crash
                 if ON_GPU and isinstance(exc, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
@@ -642,7 +669,8 @@ def benchmark_kernel(kernel, args, copy_gbps):
             for phase in ("fwd", "bwd", "fwd+bwd"):
                 median, p20, p80 = phases[phase]
                 row = dict(row_head, what=f"{kernel} {phase}", phase=phase, median_ms=median, p20_ms=p20, p80_ms=p80,
-                           timing=bwd_method if phase == "bwd" else ("do_bench" if ON_GPU else "perf_counter"))
+                           timing=bwd_method if phase == "bwd" else ("do_bench" if ON_GPU else "perf_counter"),
+                           host_ms=host.get(phase))
                 add_throughput(row, spec, phase, case.shape, itemsize, copy_gbps)
                 rows.append(row)
             worst = worst_output(err, limits)
@@ -703,7 +731,7 @@ def print_table(kernel, rows):
         worst = worst_output(err, both["error_limit"])
         line = [provider, tokens, _fmt(fwd.get("median_ms")),
                 _fmt(bwd.get("median_ms")) + ("*" if bwd.get("timing", "").startswith("derived") else ""),
-                _fmt(both.get("median_ms"))]
+                _fmt(both.get("median_ms")), _fmt(both.get("host_ms"))]
         if compute_bound:
             line += [_fmt(both.get("tflops"), ".1f")]
         else:
@@ -714,7 +742,7 @@ def print_table(kernel, rows):
         line += [_fmt(speedup, ".2f"), _fmt(both.get("peak_mb"), ".0f"), _fmt(reduction, ".0f"),
                  f"{worst} {err[worst]:.1e}", both["check"]]
         table.append(line)
-    headers = ["provider", "tokens", "fwd ms", "bwd ms", "fwd+bwd ms"]
+    headers = ["provider", "tokens", "fwd ms", "bwd ms", "fwd+bwd ms", "f+b host ms"]
     headers += (["fwd+bwd TFLOP/s"] if compute_bound else
                 ["fwd GB/s", "fwd % copy", "fwd+bwd GB/s", "fwd+bwd % copy"]
                 + (["f+b % copy (6NIs)"] if "issue_bytes" in spec else []))
@@ -738,7 +766,10 @@ def legend(kernel, fixed_dims):
              "  fwd ms       forward median (do_bench, L2 flushed; p20/p80 in the JSON)",
              "  bwd ms       backward median on one fixed forward (retain_graph); * = derived as fwd+bwd - fwd "
              "(0 if negative: noise) because that backward can run only once",
-             "  fwd+bwd ms   one training step of this op: forward then backward, the number to compare"]
+             "  fwd+bwd ms   one training step of this op: forward then backward, the number to compare",
+             f"  f+b host ms  CPU time of one fwd+bwd call, the GPU left to run behind (median of {HOST_TIMED_CALLS} "
+             "calls back to back): close to fwd+bwd ms, the host (Python, autograd, launches) sets the time, not "
+             "the kernels"]
     if "flops" in spec:
         lines.append(f"  TFLOP/s      {spec['flops']['fwd+bwd'][0]} / fwd+bwd time (three matmuls); compute-bound: "
                      "no GB/s")

@@ -62,6 +62,8 @@ def test_json_rows(full_run):
             assert all(math.isfinite(value) and value < 0.05 for value in row["error"].values()) or \
                 row["check"] == "FAIL", row
             assert row["median_ms"] >= 0 and row["dtype"] == "bf16"
+            # host time of a whole call: measured for fwd and fwd+bwd, not for the backward alone
+            assert (row["host_ms"] > 0) if row["phase"] != "bwd" else row["host_ms"] is None, row
             if row["provider"].startswith("ours"):
                 assert row["check"] == "pass", row
         # eager PyTorch is always there, and torch.compile is reported as skipped rather than silently missing
