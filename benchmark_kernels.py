@@ -521,15 +521,20 @@ def time_ms(fn, grad_to_none, rep_ms, warmup_ms):
                                                    grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
         return median, p20, p80
     fn()
+    median, p20, p80 = np.quantile(call_times_ms(fn, grad_to_none, CPU_TIMED_CALLS), [0.5, 0.2, 0.8])
+    return float(median), float(p20), float(p80)
+
+
+def call_times_ms(fn, grad_to_none, n_calls):
+    """perf_counter time (ms) of each of n_calls calls in a row, gradients reset before each, no synchronization."""
     times = []
-    for _ in range(CPU_TIMED_CALLS):
+    for _ in range(n_calls):
         for tensor in grad_to_none:
             tensor.grad = None
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    median, p20, p80 = np.quantile(times, [0.5, 0.2, 0.8])
-    return float(median), float(p20), float(p80)
+    return times
 
 
 def host_ms(fn, grad_to_none):
@@ -539,13 +544,7 @@ def host_ms(fn, grad_to_none):
     fn()
     if ON_GPU:
         torch.cuda.synchronize()
-    times = []
-    for _ in range(HOST_TIMED_CALLS):
-        for tensor in grad_to_none:
-            tensor.grad = None
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
+    times = call_times_ms(fn, grad_to_none, HOST_TIMED_CALLS)
     if ON_GPU:
         torch.cuda.synchronize()
     return float(np.median(times))
