@@ -540,8 +540,8 @@ def call_times_ms(fn, grad_to_none, n_calls):
 def host_ms(fn, grad_to_none):
     """Median CPU time of one call (ms) while the GPU runs behind: what Python, autograd and the launches cost the
     host. When it comes close to the GPU time, the host sets the pace and faster kernels would not show. A provider
-    that synchronizes (Liger's cross-entropy calls .item()) waits for its own kernels here too."""
-    fn()
+    that synchronizes (Liger's cross-entropy calls .item()) waits for its own kernels here too. Called right after
+    time_ms on the same fn, which has warmed it up; the synchronization starts the timed calls on an idle GPU."""
     if ON_GPU:
         torch.cuda.synchronize()
     times = call_times_ms(fn, grad_to_none, HOST_TIMED_CALLS)
