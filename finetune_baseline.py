@@ -17,8 +17,10 @@ every output); without a GPU a tiny LLaMA of the same structure. Data: random to
 """
 import argparse
 import datetime
+import functools
 import gc
 import json
+import math
 import os
 import socket
 import subprocess
@@ -26,11 +28,18 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from tqdm import tqdm
+# Long sequences need large blocks. By default the CUDA caching allocator carves them out of fixed segments and then
+# cannot reuse a segment's free space for other sizes ("reserved but unallocated"); expandable segments grow one
+# mapping instead. It must be set before torch initializes CUDA, and only when the user has not chosen a setting.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -62,7 +71,33 @@ def parse_args(argv=None):
                         help='"synthetic" (random tokens), a local .txt/.jsonl file, or a datasets name')
     parser.add_argument("--log-interval", type=int, default=1, help="update the progress bar every N steps")
     parser.add_argument("--seq-len-search", default=None, metavar="L1,L2,...",
-                        help="instead of training: find the longest batch-1 length that trains (2 steps each)")
+                        help="instead of training: after a short warm-up step that creates the optimizer state, one "
+                             "step per length at batch 1, reported as trained / out of memory (in which part of the "
+                             "step) / not tried; the first length that does not fit ends the search")
+    parser.add_argument("--warmup-seq-len", type=int, default=None,
+                        help="tokens per sequence of the warm-up step (default: --seq-len; 2048 for "
+                             "--seq-len-search). A short warm-up compiles the kernels and creates the optimizer state "
+                             "for a fraction of one long step")
+    parser.add_argument("--grad-accum-steps", type=int, default=1,
+                        help="micro-batches whose gradients are summed per optimizer step")
+    # -- long sequences (the same flags in both scripts) ---------------------------------------------------------------
+    parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none",
+                        help="recompute each decoder layer in the backward instead of keeping its activations: full = "
+                             "the whole layer; selective = all but attention, whose output and log-sum-exp are kept "
+                             "(attention is the part whose cost grows with T^2)")
+    parser.add_argument("--offload-activations", type=int, default=0, metavar="N",
+                        help="with checkpointing: keep the checkpointed input of the first N decoder layers in pinned "
+                             "host memory; copies run on a side stream, overlapped with compute")
+    parser.add_argument("--tiled-mlp", type=int, default=None, metavar="TOKENS",
+                        help="run every MLP over sequence tiles of TOKENS tokens, so its [tokens, intermediate] "
+                             "tensors exist for one tile at a time (the backward recomputes each tile)")
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="step each parameter's AdamW as soon as its gradient is ready, then free that gradient: "
+                             "the whole model's gradients never exist at once. Not combinable with gradient "
+                             "accumulation (--grad-accum-steps > 1) or --fsdp")
+    parser.add_argument("--measure-recompute", action="store_true",
+                        help="with checkpointing: after the timed steps, time one step without it (if it fits) and "
+                             "report the recompute overhead")
     parser.add_argument("--fsdp", action="store_true",
                         help="shard the model with FSDP2 over the processes of torchrun --nproc-per-node N; "
                              "--batch-size is per rank (global batch = N x --batch-size)")
@@ -72,9 +107,26 @@ def parse_args(argv=None):
     peers.add_argument("--compile", action="store_true", help="torch.compile(model)")
     peers.add_argument("--liger", action="store_true", help="Liger-Kernel's apply_liger_kernel_to_llama(model=...)")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "log_interval"):
+    for name in ("steps", "batch_size", "seq_len", "log_interval", "grad_accum_steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.warmup_seq_len is not None and args.warmup_seq_len < 2:
+        parser.error("--warmup-seq-len must be at least 2 (the loss predicts each next token)")
+    if args.tiled_mlp is not None and args.tiled_mlp <= 0:
+        parser.error(f"--tiled-mlp takes a positive number of tokens per tile, got {args.tiled_mlp}")
+    if args.offload_activations < 0:
+        parser.error(f"--offload-activations takes a number of layers >= 0, got {args.offload_activations}")
+    if args.offload_activations and args.activation_checkpointing == "none":
+        parser.error("--offload-activations moves checkpointed layer inputs to the host: it needs "
+                     "--activation-checkpointing full or selective")
+    if args.measure_recompute and args.activation_checkpointing == "none":
+        parser.error("--measure-recompute compares with and without checkpointing: it needs --activation-checkpointing")
+    if args.optimizer_in_backward and args.grad_accum_steps > 1:
+        parser.error("--optimizer-in-backward steps each parameter as soon as its gradient exists, so gradients "
+                     "cannot be accumulated over micro-batches: use --grad-accum-steps 1")
+    if args.optimizer_in_backward and args.fsdp:
+        parser.error("--optimizer-in-backward cannot be combined with --fsdp (FSDP2 reduces gradients after the "
+                     "backward)")
     if args.seq_len_search:
         try:
             args.seq_len_search = [int(x) for x in args.seq_len_search.split(",")]
@@ -277,26 +329,213 @@ class ModelWithLoss(torch.nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Longest trainable sequence: each length must survive an optimizer step AFTER the optimizer state exists
+# Long sequences: what the step keeps, recomputes, tiles or moves to the host (the same code in both fine-tune scripts)
 
-def seq_len_search(lengths, try_length, free_memory):
-    """try_length(L) runs two optimizer steps at batch 1 x L and returns its metrics; the first length that runs out
-    of memory ends the search (longer ones would too). Returns (rows, longest length that trained or None)."""
+# The attention kernels SDPA dispatches to, and what they are called in reports. Selective checkpointing keeps their
+# outputs (the attention output and its log-sum-exp), so a layer's recompute skips attention, the only part of the step
+# whose cost grows with T^2. The math kernel is the one that materializes the [T, T] score matrix.
+ATTENTION_KERNELS = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default: "flash",
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default: "cuDNN",
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: "memory-efficient",
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash (CPU)",
+    torch.ops.aten._scaled_dot_product_attention_math.default: "math (materializes [T, T])",
+}
+
+
+def keep_attention_outputs(ctx, op, *args, **kwargs):
+    """Selective checkpointing policy: keep what attention kernels return, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class AttentionKernelRecorder(TorchDispatchMode):
+    """Records which SDPA kernels run while active (the `attention_kernels` entry of the results)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in ATTENTION_KERNELS:
+            self.seen.add(ATTENTION_KERNELS[func])
+        return func(*args, **(kwargs or {}))
+
+
+class ActivationOffloader:
+    """Keeps the checkpointed input of some decoder layers in pinned host memory instead of on the GPU.
+
+    With checkpointing, a layer keeps only its input ([tokens, hidden]) for the backward, which recomputes the rest.
+    The offloader packs that saved input into pinned host memory: the device-to-host copy runs on a side stream, so it
+    overlaps the layer's compute, and record_stream keeps the caching allocator from reusing the GPU memory before the
+    copy has read it. The backward visits the layers in reverse order: when layer i's input is unpacked, the copy of
+    layer i-1's input back to the GPU starts on the side stream, so it is there when layer i-1's recompute needs it.
+    On the GPU, CUDA events time each copy and the compute between two offloaded layers (the copy must hide behind
+    it); without a GPU the tensors are plain host copies."""
+
+    def __init__(self):
+        self.stream = torch.cuda.Stream() if HAS_CUDA else None
+        self.records = []
+
+    def wrap(self, checkpoint_function):
+        """One layer's checkpoint function, with the tensors it saves packed by this offloader."""
+        def offloaded_checkpoint(function, *args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                return checkpoint_function(function, *args, **kwargs)
+        return offloaded_checkpoint
+
+    def new_step(self):
+        self.records = []
+
+    def pack(self, tensor):
+        record = {"device": tensor.device, "index": len(self.records), "on_gpu": None, "used": False,
+                  "host": torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)}
+        if tensor.is_cuda:
+            record["saved"] = torch.cuda.Event(enable_timing=True)
+            record["saved"].record()  # on the compute stream: the layer's input is complete here
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                record["copied"] = torch.cuda.Event(enable_timing=True)
+                record["host"].copy_(tensor, non_blocking=True)
+                record["copied"].record()
+            tensor.record_stream(self.stream)
+        else:
+            record["host"].copy_(tensor)
+        self.records.append(record)
+        return record
+
+    def _fetch(self, record):
+        """Start (or finish) bringing a record back to its device; the copy is queued on the side stream."""
+        if record["on_gpu"] is None:
+            if record["device"].type == "cuda":
+                with torch.cuda.stream(self.stream):
+                    record["on_gpu"] = record["host"].to(record["device"], non_blocking=True)
+                    record["fetched"] = torch.cuda.Event()
+                    record["fetched"].record()
+            else:
+                record["on_gpu"] = record["host"].clone()
+        return record["on_gpu"]
+
+    def unpack(self, record):
+        tensor = self._fetch(record)
+        if record["index"] > 0 and not self.records[record["index"] - 1]["used"]:
+            self._fetch(self.records[record["index"] - 1])  # the input the backward needs next
+        if tensor.is_cuda:
+            torch.cuda.current_stream().wait_event(record["fetched"])  # this copy only, not the prefetch behind it
+            tensor.record_stream(torch.cuda.current_stream())
+        record["on_gpu"], record["used"] = None, True  # from here the recompute holds it
+        return tensor
+
+    def report(self):
+        """Bytes on the host this step and, on the GPU, median ms of one layer's copy and of the compute between two
+        offloaded layers' inputs (synchronizes: call after the step)."""
+        result = {"host_bytes": sum(r["host"].numel() * r["host"].element_size() for r in self.records),
+                  "layers": len(self.records)}
+        if HAS_CUDA and len(self.records) > 1:
+            torch.cuda.synchronize()
+            copy_ms = sorted(r["saved"].elapsed_time(r["copied"]) for r in self.records)
+            compute_ms = sorted(a["saved"].elapsed_time(b["saved"]) for a, b in zip(self.records, self.records[1:]))
+            result.update(copy_ms=copy_ms[len(copy_ms) // 2], layer_compute_ms=compute_ms[len(compute_ms) // 2])
+        return result
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """mlp(x) over sequence tiles, so the MLP's [tokens, intermediate] tensors exist for one tile at a time.
+
+    The forward runs each tile without autograd and saves only x. The backward recomputes each tile's MLP with autograd
+    on, back-propagates that tile and sums the weights' gradients over the tiles; they are returned to autograd rather
+    than accumulated into .grad tile by tile, so each weight's gradient arrives once per step (an optimizer step hooked
+    to its arrival, --optimizer-in-backward, runs once)."""
+
+    @staticmethod
+    def forward(ctx, x, tile_tokens, mlp_forward, *weights):
+        ctx.save_for_backward(x)
+        ctx.tile_tokens, ctx.mlp_forward, ctx.weights = tile_tokens, mlp_forward, weights
+        with torch.no_grad():
+            return torch.cat([mlp_forward(tile) for tile in x.split(tile_tokens, dim=-2)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        grad_x, grad_weights = [], [None] * len(ctx.weights)
+        for tile, grad_tile in zip(x.split(ctx.tile_tokens, dim=-2), grad_output.split(ctx.tile_tokens, dim=-2)):
+            tile = tile.detach().requires_grad_(True)
+            with torch.enable_grad():
+                out = ctx.mlp_forward(tile)
+            grads = torch.autograd.grad(out, (tile, *ctx.weights), grad_tile)
+            grad_x.append(grads[0])
+            for i, grad in enumerate(grads[1:]):
+                grad_weights[i] = grad if grad_weights[i] is None else grad_weights[i].add_(grad)
+        return torch.cat(grad_x, dim=-2), None, None, *grad_weights
+
+
+def tile_mlps(model, tile_tokens):
+    """Route every decoder layer's MLP (whatever its forward: eager, fused kernel, Liger) through TiledMLPFunction."""
+    for layer in model.model.layers:
+        untiled_forward = layer.mlp.forward
+        weights = tuple(p for p in layer.mlp.parameters() if p.requires_grad)
+
+        def tiled_forward(x, untiled_forward=untiled_forward, weights=weights):
+            if x.shape[-2] <= tile_tokens or not torch.is_grad_enabled():
+                return untiled_forward(x)
+            return TiledMLPFunction.apply(x, tile_tokens, untiled_forward, *weights)
+        layer.mlp.forward = tiled_forward
+
+
+def enable_activation_checkpointing(model, mode, offload_layers):
+    """transformers' gradient checkpointing (torch.utils.checkpoint, non-reentrant) on every decoder layer: "full"
+    recomputes the whole layer in the backward, "selective" all of it but attention. The first offload_layers layers
+    keep their checkpointed input on the host. Returns the ActivationOffloader, or None."""
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)
+                  if mode == "selective" else noop_context_fn)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": context_fn})
+    if not offload_layers:
+        return None
+    offloader = ActivationOffloader()
+    for layer in model.model.layers[:offload_layers]:
+        # the function transformers' GradientCheckpointingLayer calls to checkpoint this layer
+        layer._gradient_checkpointing_func = offloader.wrap(layer._gradient_checkpointing_func)
+    return offloader
+
+
+def optimizer_in_backward(model, make_optimizer):
+    """One optimizer per parameter, stepped by a hook as soon as that parameter's gradient has been accumulated, after
+    which the gradient is freed: the gradients of the whole model (16 GB for 8B in bf16) never exist at once."""
+    optimizers = {param: make_optimizer([param]) for param in model.parameters() if param.requires_grad}
+
+    def step(param):
+        optimizers[param].step()
+        optimizers[param].zero_grad(set_to_none=True)
+    for param in optimizers:
+        param.register_post_accumulate_grad_hook(step)
+    return optimizers
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Longest trainable sequence: one step per length, run after a warm-up step has created the optimizer state
+
+def seq_len_search(lengths, try_length):
+    """try_length(L) runs one training step at batch 1 x L and returns a row whose "status" is "trained", "out of
+    memory" (with the part of the step that ran out and the peak it reached) or "non-finite loss". The first length
+    that does not train ends the search: the longer ones are reported as "not tried" (a later run can try them).
+    Returns (rows, the longest length that trained or None)."""
     rows, longest = [], None
     for seq_len in lengths:
-        out_of_memory = False
-        try:
-            row = try_length(seq_len)
-        except torch.OutOfMemoryError:
-            out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
-        if out_of_memory:
-            free_memory()
-            rows.append({"seq_len": seq_len, "trained": False})
-            print(f"seq_len {seq_len:>6}: out of memory")
-            break
-        rows.append({"seq_len": seq_len, "trained": True, **row})
-        longest = seq_len
-        print(f"seq_len {seq_len:>6}: trained, {row['step_ms']:.0f} ms/step, peak {row['peak_gib']:.2f} GiB")
+        if rows and rows[-1]["status"] != "trained":
+            rows.append({"seq_len": seq_len, "status": "not tried"})
+            print(f"seq_len {seq_len:>7}: not tried")
+            continue
+        row = {"seq_len": seq_len, **try_length(seq_len)}
+        rows.append(row)
+        if row["status"] == "trained":
+            longest = seq_len
+            host = f", {row['host_gib']:.1f} GiB on the host" if row.get("host_gib") else ""
+            print(f"seq_len {seq_len:>7}: trained, {row['step_ms'] / 1e3:.1f} s/step, {row['tokens_per_s']:,.0f} "
+                  f"tok/s, peak {row['peak_gib']:.2f} GiB{host}")
+        elif row["status"] == "out of memory":
+            print(f"seq_len {seq_len:>7}: out of memory in the {row['phase']} (peak {row['peak_gib']:.2f} GiB)")
+        else:
+            print(f"seq_len {seq_len:>7}: {row['status']}")
     return rows, longest
 
 
@@ -350,6 +589,16 @@ def main(argv=None):
     variant = "liger" if args.liger else "compile" if args.compile else "baseline"
     loss_impl = "liger" if args.liger else "eager"
 
+    # --- long sequences: what the step keeps, recomputes, tiles or moves to the host (same in both scripts) ----------
+    if args.offload_activations > n_layers:
+        raise SystemExit(f"error: --offload-activations {args.offload_activations}: the model has {n_layers} decoder "
+                         f"layers")
+    if args.tiled_mlp:
+        tile_mlps(model, args.tiled_mlp)  # after any MLP replacement: it tiles whatever forward the MLP now has
+    offloader = None
+    if args.activation_checkpointing != "none":
+        offloader = enable_activation_checkpointing(model, args.activation_checkpointing, args.offload_activations)
+
     if args.compile:
         model = torch.compile(model)  # compiles on the warm-up step
     model_with_loss = ModelWithLoss(model, loss_impl)
@@ -361,18 +610,58 @@ def main(argv=None):
             fully_shard(layer)
         fully_shard(model_with_loss)
     # After fully_shard: the optimizer must hold the sharded parameters (each rank updates its own shard).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.optimizer == "adamw_foreach",
-                                  fused=args.optimizer == "adamw_fused")
+    def make_optimizer(params):
+        return torch.optim.AdamW(params, lr=args.lr, foreach=args.optimizer == "adamw_foreach",
+                                 fused=args.optimizer == "adamw_fused")
+    if args.optimizer_in_backward:
+        optimizer_in_backward(model, make_optimizer)
+        optimizer = None  # nothing left to step after the backward
+    else:
+        optimizer = make_optimizer(model.parameters())
+    phase = {"now": "idle"}  # the part of the step that is running: names what ran out of memory
 
-    def train_step(input_ids):
-        loss = model_with_loss(input_ids, shift_labels_of(input_ids))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def train_step(micro_batches):
+        """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss."""
+        if offloader is not None:
+            offloader.new_step()
+        step_loss = 0.0
+        for input_ids in micro_batches:
+            phase["now"] = "forward"
+            loss = model_with_loss(input_ids, shift_labels_of(input_ids)) / len(micro_batches)
+            phase["now"] = "backward" if optimizer is not None else "backward (with the optimizer steps inside)"
+            loss.backward()
+            step_loss = step_loss + loss.detach()
+        phase["now"] = "optimizer step"
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        phase["now"] = "idle"
         if args.fsdp:  # log the global batch's loss: the mean over ranks (every rank has the same token count)
-            loss = loss.detach() / world_size
-            dist.all_reduce(loss)  # sum of loss / world_size (gloo has no AVG); a collective, not a host sync
-        return loss.detach()
+            step_loss = step_loss / world_size
+            dist.all_reduce(step_loss)  # sum of loss / world_size (gloo has no AVG); a collective, not a host sync
+        return step_loss
+
+    def warm_up(micro_batches):
+        """The untimed first step: kernels compile, cuBLAS picks algorithms, the optimizer creates its state. The
+        first attention layer's forward records which SDPA kernel runs."""
+        recorder = AttentionKernelRecorder()
+
+        def start_recording(*_):  # a hook that returns None leaves the layer's inputs and outputs as they are
+            recorder.__enter__()
+
+        def stop_recording(*_):
+            recorder.__exit__(None, None, None)
+        attention = model.model.layers[0].self_attn
+        hooks = [attention.register_forward_pre_hook(start_recording),
+                 attention.register_forward_hook(stop_recording)]
+        try:
+            t0 = time.perf_counter()
+            loss = train_step(micro_batches)
+            sync()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return loss, time.perf_counter() - t0, sorted(recorder.seen)
 
     # --- header ------------------------------------------------------------------------------------------------------
     script = Path(__file__).name
@@ -385,6 +674,7 @@ def main(argv=None):
           + (f", replaced {replaced}" if replaced else "")
           + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
 
+    info["allocator_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     result = {**info, "script": script, "model": args.model, "weights": weights,
               "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
               "replaced": replaced, "world_size": world_size, "options": vars(args)}
@@ -394,43 +684,61 @@ def main(argv=None):
 
     if args.seq_len_search:
         # --- longest batch-1 sequence -------------------------------------------------------------------------------
-        print(f"seq-len search (batch 1, synthetic tokens, 2 optimizer steps each): {args.seq_len_search}")
+        warmup_len = args.warmup_seq_len or min(2048, args.seq_len_search[0])
+        print(f"seq-len search (batch 1, synthetic tokens, one step per length after a warm-up step of {warmup_len} "
+              f"tokens): {args.seq_len_search}")
         generator = torch.Generator().manual_seed(args.seed)
 
+        def random_tokens(seq_len):
+            return torch.randint(0, vocab, (1, 1, seq_len), generator=generator).to(device)
+
+        _, _, attention_kernels = warm_up(random_tokens(warmup_len))
+
         def try_length(seq_len):
-            input_ids = torch.randint(0, vocab, (1, seq_len), generator=generator).to(device)
+            input_ids = random_tokens(seq_len)
             sync()
             if HAS_CUDA:
-                torch.cuda.empty_cache()  # hand back the previous length's cached blocks: less fragmentation
+                torch.cuda.empty_cache()  # hand back the previous length's cached blocks
                 torch.cuda.reset_peak_memory_stats()
-            for _ in range(2):  # the second step is the one that runs with the optimizer state allocated
-                t0 = time.perf_counter()
-                train_step(input_ids)
-                sync()
-                step_s = time.perf_counter() - t0
-            peak = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else 0.0
-            return {"step_ms": 1e3 * step_s, "tokens_per_s": seq_len / step_s, "peak_gib": peak}
+            out_of_memory = False
+            t0 = time.perf_counter()
+            try:
+                loss = train_step(input_ids).item()  # .item(): the step has finished
+            except torch.OutOfMemoryError:
+                out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
+            step_s = time.perf_counter() - t0
+            peak_gib = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else 0.0
+            if out_of_memory:
+                failed_in, phase["now"] = phase["now"], "idle"
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                if HAS_CUDA:
+                    torch.cuda.empty_cache()
+                return {"status": "out of memory", "phase": failed_in, "peak_gib": peak_gib}
+            if not math.isfinite(loss):
+                return {"status": "non-finite loss", "loss": loss, "peak_gib": peak_gib}
+            row = {"status": "trained", "loss": loss, "step_ms": 1e3 * step_s, "tokens_per_s": seq_len / step_s,
+                   "peak_gib": peak_gib}
+            if offloader is not None:
+                offload = offloader.report()
+                row.update(host_gib=offload.pop("host_bytes") / 2**30, offload=offload)
+            return row
 
-        def free_memory():
-            optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            if HAS_CUDA:
-                torch.cuda.empty_cache()
-
-        rows, longest = seq_len_search(args.seq_len_search, try_length, free_memory)
+        rows, longest = seq_len_search(args.seq_len_search, try_length)
         print(f"longest batch-1 sequence that trained: {longest}")
-        result["seq_len_search"] = {"lengths": args.seq_len_search, "results": rows, "longest_trained": longest}
+        result["seq_len_search"] = {"lengths": args.seq_len_search, "warmup_seq_len": warmup_len,
+                                    "results": rows, "longest_trained": longest}
+        result["attention_kernels"] = attention_kernels
     else:
         # --- training --------------------------------------------------------------------------------------------------
         # steps + 1: the warm-up batch. Each rank gets its own rows of the global batches.
-        batches = make_batches(args, args.steps + 1, vocab, config.eos_token_id, device, rank, world_size)
-        tokens_per_step = world_size * args.batch_size * args.seq_len  # global: all the ranks together
+        n_micro = args.grad_accum_steps
+        batches = make_batches(args, (args.steps + 1) * n_micro, vocab, config.eos_token_id, device, rank, world_size)
+        batches = batches.view(args.steps + 1, n_micro, *batches.shape[1:])  # [step, micro-batch, batch, seq_len]
+        tokens_per_step = world_size * n_micro * args.batch_size * args.seq_len  # global: all the ranks together
 
-        # Warm-up: Triton/torch.compile compile, cuBLAS picks algorithms, AdamW allocates its state. Not timed.
-        t0 = time.perf_counter()
-        warmup_loss = train_step(batches[0])
-        sync()
-        warmup_s = time.perf_counter() - t0
+        warmup_loss, warmup_s, attention_kernels = warm_up(batches[0][..., :args.warmup_seq_len or args.seq_len])
         if HAS_CUDA:
             torch.cuda.reset_peak_memory_stats()
 
@@ -459,6 +767,20 @@ def main(argv=None):
             peak_bytes_per_rank = [None] * world_size
             dist.all_gather_object(peak_bytes_per_rank, peak_bytes)
         peak_gib_per_rank = [b / 2**30 if b is not None else None for b in peak_bytes_per_rank]
+        offload = offloader.report() if offloader is not None else None
+        recompute = None
+        if args.measure_recompute:  # the same step without checkpointing, if it fits
+            model.gradient_checkpointing_disable()
+            sync()
+            t0 = time.perf_counter()
+            try:
+                train_step(batches[-1])
+                sync()
+                recompute = {"step_ms_without_checkpointing": 1e3 * (time.perf_counter() - t0)}
+                recompute["overhead"] = avg_step_s * 1e3 / recompute["step_ms_without_checkpointing"] - 1
+            except torch.OutOfMemoryError:
+                recompute = {"step_ms_without_checkpointing": None, "overhead": None,
+                             "note": f"out of memory without checkpointing (in the {phase['now']})"}
 
         # --- summary -----------------------------------------------------------------------------------------------
         print(f"---- summary: {script} [{variant}] {args.model} ({weights} weights) {shape} {args.optimizer} ----")
@@ -470,13 +792,27 @@ def main(argv=None):
               + (f"; per rank {', '.join(f'{g:.2f}' for g in peak_gib_per_rank)} GiB" if args.fsdp and HAS_CUDA
                  else ""))
         print(f"loss            : {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {args.steps})")
+        print(f"attention       : {', '.join(attention_kernels) or 'no SDPA kernel seen'} | checkpointing "
+              f"{args.activation_checkpointing}" + (f", MLP tiles of {args.tiled_mlp} tokens" if args.tiled_mlp else "")
+              + (", optimizer in backward" if args.optimizer_in_backward else "")
+              + f" | allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'default'}")
+        if offload is not None:
+            timing = (f"; one layer's copy {offload['copy_ms']:.1f} ms against {offload['layer_compute_ms']:.1f} ms "
+                      f"of compute per layer" if "copy_ms" in offload else "")
+            print(f"offload         : {offload['host_bytes'] / 2**30:.2f} GiB on the host ({offload['layers']} layer "
+                  f"inputs){timing}")
+        if recompute is not None:
+            print(f"recompute       : " + (f"{recompute['overhead']:+.1%} step time against "
+                                           f"{recompute['step_ms_without_checkpointing']:.0f} ms without checkpointing"
+                                           if recompute["overhead"] is not None else recompute["note"]))
         result.update({"shape": shape, "tokens_per_step": tokens_per_step, "steps": args.steps,
                        "warmup_loss": warmup_loss.item(), "warmup_s": warmup_s,
                        "avg_step_ms": 1e3 * avg_step_s, "tokens_per_s": tokens_per_s,
                        "tokens_per_s_per_gpu": tokens_per_s / world_size,
                        "peak_memory_gib": peak_gib, "peak_memory_bytes": peak_bytes,
                        "peak_memory_gib_per_rank": peak_gib_per_rank,
-                       "losses": losses, "step_ms": [1e3 * s for s in step_times]})
+                       "losses": losses, "step_ms": [1e3 * s for s in step_times],
+                       "attention_kernels": attention_kernels, "offload": offload, "recompute": recompute})
 
     if rank == 0:
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,209 @@
+"""Long-sequence options of both fine-tune scripts, on the tiny LLaMA in fp32 (CPU, Triton interpreter).
+
+- Activation checkpointing (full, selective), tiled MLP and activation offload change what the step keeps, not what it
+  computes: the loss and every parameter's gradient equal a plain step's. Full and selective checkpointing recompute
+  the same ops in the same order, so they match bit for bit; the tiled MLP sums each weight's gradient over tiles (a
+  different summation order), so it matches to fp32 rounding (rtol 1e-5; a missing tile or a wrong weight gradient
+  is off by whole percents). With the fused kernels (finetune_optimized.py) this also checks that RMSNorm, SwiGLU's
+  in-place backward, RoPE and the linear cross-entropy work under recompute.
+- Selective checkpointing really skips attention in the recompute (attention kernel calls counted).
+- The optimizer step inside the backward gives the same per-step losses as a normal AdamW step (fused AdamW applies
+  the same elementwise update either way: equal to the bit here).
+- The seq-len search reports trained / out of memory (with the part of the step) / not tried; contradictory or bad
+  flags exit non-zero with one line and write no JSON.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
+import finetune_baseline  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+SCRIPTS = {"optimized": finetune_optimized, "baseline": finetune_baseline}
+
+
+def tiny_model(script, seed=0):
+    torch.manual_seed(seed)
+    model = script.LlamaForCausalLM._from_config(script.tiny_llama_config(), dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    with torch.no_grad():  # norm weights that are not all ones, so their gradients are exercised
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.config.use_cache = False
+    model.train()
+    if script is finetune_optimized:
+        script.replace_rmsnorm(model, expected=5)
+        script.replace_llama_mlp(model, expected=2)
+    return model
+
+
+@pytest.fixture
+def rope_patch():
+    """The fused RoPE patch is process-wide: install it for one test, then restore transformers' function."""
+    original = modeling_llama.apply_rotary_pos_emb
+    finetune_optimized.patch_llama_rope()
+    yield
+    modeling_llama.apply_rotary_pos_emb = original
+
+
+def loss_and_grads(script, model, input_ids):
+    loss_impl = "linear_ce" if script is finetune_optimized else "eager"
+    model.zero_grad(set_to_none=True)
+    loss = script.compute_loss(model, input_ids, script.shift_labels_of(input_ids), loss_impl)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+class AttentionCalls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in finetune_optimized.ATTENTION_KERNELS
+        return func(*args, **(kwargs or {}))
+
+
+CONFIGS = [  # (checkpointing, layers offloaded, MLP tile tokens)
+    ("full", 0, None), ("selective", 0, None), ("full", 2, None), ("selective", 1, None),
+    ("none", 0, 16), ("full", 1, 8), ("selective", 2, 16),
+]
+
+
+@pytest.mark.parametrize("script_name", ["optimized", "baseline"])
+@pytest.mark.parametrize("mode,offload,tile", CONFIGS)
+def test_same_loss_and_gradients_as_a_plain_step(script_name, mode, offload, tile, rope_patch):
+    script = SCRIPTS[script_name]
+    input_ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = loss_and_grads(script, tiny_model(script), input_ids)
+
+    model = tiny_model(script)
+    if tile:
+        script.tile_mlps(model, tile)
+    offloader = script.enable_activation_checkpointing(model, mode, offload) if mode != "none" else None
+    loss, grads = loss_and_grads(script, model, input_ids)
+
+    assert len(ref_grads) == len(grads) == len(list(model.parameters()))
+    exact = tile is None
+    torch.testing.assert_close(loss, ref_loss, rtol=0 if exact else 1e-5, atol=0)
+    for name, ref in ref_grads.items():
+        assert ref.abs().max() > 0, name  # every parameter really gets a gradient
+        torch.testing.assert_close(grads[name], ref, rtol=0 if exact else 1e-5,
+                                   atol=0 if exact else 1e-6 * ref.abs().max().item(), msg=name)
+    if offload:
+        report = offloader.report()
+        assert report["layers"] == offload and report["host_bytes"] == offload * input_ids.numel() * 64 * 4
+
+
+@pytest.mark.parametrize("mode,expected_calls", [("full", 4), ("selective", 2)])
+def test_selective_checkpointing_does_not_recompute_attention(mode, expected_calls):
+    model = tiny_model(finetune_baseline)
+    finetune_baseline.enable_activation_checkpointing(model, mode, 0)
+    input_ids = torch.randint(0, 1000, (1, 24))
+    with AttentionCalls() as calls:
+        loss_and_grads(finetune_baseline, model, input_ids)
+    assert calls.count == expected_calls  # 2 layers: one forward each, plus one recompute each under "full"
+
+
+def test_tiled_mlp_keeps_one_weight_gradient_per_step():
+    """The tiled MLP hands each weight's gradient to autograd once (a hook counting accumulations sees one)."""
+    model = tiny_model(finetune_baseline)
+    finetune_baseline.tile_mlps(model, 8)
+    arrivals = []
+    model.model.layers[0].mlp.gate_proj.weight.register_post_accumulate_grad_hook(lambda p: arrivals.append(1))
+    loss_and_grads(finetune_baseline, model, torch.randint(0, 1000, (1, 40)))
+    assert arrivals == [1]
+
+
+@pytest.mark.parametrize("script_name", ["optimized", "baseline"])
+def test_optimizer_in_backward_matches_a_normal_step(script_name, rope_patch):
+    script = SCRIPTS[script_name]
+    batches = torch.randint(0, 1000, (4, 1, 32), generator=torch.Generator().manual_seed(2))
+
+    def train(in_backward):
+        model = tiny_model(script)
+        make = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)  # noqa: E731
+        optimizer = None
+        if in_backward:
+            script.optimizer_in_backward(model, make)
+        else:
+            optimizer = make(list(model.parameters()))
+        losses = []
+        for input_ids in batches:
+            loss, _ = loss_and_grads(script, model, input_ids)
+            if optimizer is not None:
+                optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    normal, in_backward = train(False), train(True)
+    assert normal[0] != normal[-1]  # the weights really change between steps
+    assert in_backward == pytest.approx(normal, rel=1e-6, abs=0)
+
+
+def test_search_reports_the_failing_part_and_not_tried():
+    def try_length(seq_len):
+        if seq_len > 16:
+            return {"status": "out of memory", "phase": "backward", "peak_gib": 1.5}
+        return {"status": "trained", "step_ms": 2.0, "tokens_per_s": 8e3, "peak_gib": 1.0, "loss": 6.9}
+
+    rows, longest = finetune_optimized.seq_len_search([8, 16, 24, 32], try_length)
+    assert longest == 16
+    assert [row["status"] for row in rows] == ["trained", "trained", "out of memory", "not tried"]
+    assert rows[2]["phase"] == "backward" and rows[3] == {"seq_len": 32, "status": "not tried"}
+
+
+def run(script, tmp_path, *flags):
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(ROOT / script), "--model", "tiny", "--out", str(out), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.mark.parametrize("script", ["finetune_optimized.py", "finetune_baseline.py"])
+def test_cli_long_sequence_flags(script, tmp_path):
+    proc, result = run(script, tmp_path, "--steps", "2", "--seq-len", "24", "--activation-checkpointing", "selective",
+                       "--offload-activations", "2", "--tiled-mlp", "8", "--optimizer-in-backward",
+                       "--optimizer", "adamw_fused")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["options"]["activation_checkpointing"] == "selective" and result["options"]["tiled_mlp"] == 8
+    assert result["offload"]["layers"] == 2 and result["offload"]["host_bytes"] == 2 * 24 * 64 * 4
+    assert result["attention_kernels"] == ["flash (CPU)"]
+    assert result["allocator_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "offload" in proc.stdout and "checkpointing selective" in proc.stdout
+
+
+def test_cli_search_and_grad_accumulation(tmp_path):
+    proc, result = run("finetune_optimized.py", tmp_path, "--seq-len-search", "16,32", "--activation-checkpointing",
+                       "full", "--offload-activations", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    search = result["seq_len_search"]
+    assert search["longest_trained"] == 32 and [r["status"] for r in search["results"]] == ["trained", "trained"]
+    assert search["results"][1]["host_gib"] == pytest.approx(32 * 64 * 4 / 2**30)
+    proc, result = run("finetune_baseline.py", tmp_path, "--steps", "2", "--seq-len", "16", "--grad-accum-steps", "2",
+                       "--activation-checkpointing", "full", "--measure-recompute")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["tokens_per_step"] == 32 and result["recompute"]["step_ms_without_checkpointing"] > 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tiled-mlp", "0"], "--tiled-mlp takes a positive number"),
+    (["--offload-activations", "1"], "needs --activation-checkpointing"),
+    (["--optimizer-in-backward", "--grad-accum-steps", "2"], "cannot be accumulated"),
+    (["--activation-checkpointing", "full", "--offload-activations", "3"], "the model has 2 decoder layers"),
+])
+def test_contradictory_flags_are_one_clear_error(flags, message, tmp_path):
+    proc, result = run("finetune_optimized.py", tmp_path, "--steps", "1", *flags)
+    assert proc.returncode != 0 and result is None
+    assert message in proc.stderr and "Traceback" not in proc.stderr
