@@ -96,6 +96,9 @@ def parse_args(argv=None):
                         help="recompute each decoder layer in the backward instead of keeping its activations: full = "
                              "the whole layer; selective = all but attention, whose output and log-sum-exp are kept "
                              "(attention is the part whose cost grows with T^2)")
+    parser.add_argument("--checkpoint-layers", type=int, default=None, metavar="N",
+                        help="with checkpointing: checkpoint only the first N decoder layers (default: all); the "
+                             "others keep their activations, which is faster where the memory allows it")
     parser.add_argument("--offload-activations", type=int, default=0, metavar="N",
                         help="with checkpointing: keep the checkpointed input of the first N decoder layers in pinned "
                              "host memory; copies run on a side stream, overlapped with compute")
@@ -140,6 +143,10 @@ def parse_args(argv=None):
     if args.offload_activations and args.activation_checkpointing == "none":
         parser.error("--offload-activations moves checkpointed layer inputs to the host: it needs "
                      "--activation-checkpointing full or selective")
+    if args.checkpoint_layers is not None and (args.checkpoint_layers <= 0 or args.activation_checkpointing == "none"):
+        parser.error("--checkpoint-layers takes a positive number of layers and needs --activation-checkpointing")
+    if args.checkpoint_layers is not None and args.offload_activations > args.checkpoint_layers:
+        parser.error("--offload-activations cannot exceed --checkpoint-layers: only checkpointed layers are offloaded")
     if args.measure_recompute and args.activation_checkpointing == "none":
         parser.error("--measure-recompute compares with and without checkpointing: it needs --activation-checkpointing")
     if args.optimizer_in_backward and args.grad_accum_steps > 1:
@@ -169,8 +176,12 @@ def parse_args(argv=None):
 # Run information: what ran, where, with which versions (goes into the header and the JSON)
 
 def git_info():
-    """(short commit, dirty?) of the checkout; outside a git checkout (a copied tree on a GPU box) the GIT_COMMIT
-    and GIT_DIRTY environment variables say which commit the copy was taken from."""
+    """(short commit, dirty?) of the checkout. The GIT_COMMIT and GIT_DIRTY environment variables, when set, say
+    which commit a copied tree was taken from and take precedence: a copy on a GPU box may carry no .git, or a stale
+    one."""
+    if "GIT_COMMIT" in os.environ:
+        return os.environ["GIT_COMMIT"], os.environ.get("GIT_DIRTY") not in (None, "0")
+
     def git(*cmd):
         return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
     try:
@@ -179,7 +190,7 @@ def git_info():
             return head.stdout.strip(), bool(git("status", "--porcelain").stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("GIT_COMMIT", "uncommitted"), os.environ.get("GIT_DIRTY") not in (None, "0")
+    return "uncommitted", False
 
 
 def run_info():
@@ -395,7 +406,8 @@ class ActivationOffloader:
     On the GPU, CUDA events time each copy and the compute between two offloaded layers (the copy must hide behind
     it); without a GPU the tensors are plain host copies."""
 
-    def __init__(self):
+    def __init__(self, hidden_size):
+        self.hidden_size = hidden_size  # what a layer input looks like: [..., hidden_size]
         self.stream = torch.cuda.Stream() if HAS_CUDA else None
         self.records = []
 
@@ -410,6 +422,8 @@ class ActivationOffloader:
         self.records = []
 
     def pack(self, tensor):
+        if tensor.dim() < 2 or tensor.shape[-1] != self.hidden_size:
+            return tensor  # not a layer input (checkpoint also saves a small placeholder tensor of its own): kept
         record = {"device": tensor.device, "index": len(self.records), "on_gpu": None, "used": False,
                   "host": torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)}
         if tensor.is_cuda:
@@ -439,6 +453,8 @@ class ActivationOffloader:
         return record["on_gpu"]
 
     def unpack(self, record):
+        if isinstance(record, torch.Tensor):
+            return record
         tensor = self._fetch(record)
         if record["index"] > 0 and not self.records[record["index"] - 1]["used"]:
             self._fetch(self.records[record["index"] - 1])  # the input the backward needs next
@@ -504,17 +520,20 @@ def tile_mlps(model, tile_tokens):
         layer.mlp.forward = tiled_forward
 
 
-def enable_activation_checkpointing(model, mode, offload_layers):
-    """transformers' gradient checkpointing (torch.utils.checkpoint, non-reentrant) on every decoder layer: "full"
-    recomputes the whole layer in the backward, "selective" all of it but attention. The first offload_layers layers
-    keep their checkpointed input on the host. Returns the ActivationOffloader, or None."""
+def enable_activation_checkpointing(model, mode, offload_layers, checkpoint_layers=None):
+    """transformers' gradient checkpointing (torch.utils.checkpoint, non-reentrant) on the first checkpoint_layers
+    decoder layers (all by default): "full" recomputes the whole layer in the backward, "selective" all of it but
+    attention. The first offload_layers layers keep their checkpointed input on the host. Returns the
+    ActivationOffloader, or None."""
     context_fn = (functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)
                   if mode == "selective" else noop_context_fn)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                        "context_fn": context_fn})
+    for layer in model.model.layers[checkpoint_layers:] if checkpoint_layers is not None else []:
+        layer.gradient_checkpointing = False  # transformers' per-layer switch: this layer keeps its activations
     if not offload_layers:
         return None
-    offloader = ActivationOffloader()
+    offloader = ActivationOffloader(model.config.hidden_size)
     for layer in model.model.layers[:offload_layers]:
         # the function transformers' GradientCheckpointingLayer calls to checkpoint this layer
         layer._gradient_checkpointing_func = offloader.wrap(layer._gradient_checkpointing_func)
@@ -607,14 +626,16 @@ def main(argv=None):
     loss_impl = args.loss
 
     # --- long sequences: what the step keeps, recomputes, tiles or moves to the host (same in both scripts) ----------
-    if args.offload_activations > n_layers:
-        raise SystemExit(f"error: --offload-activations {args.offload_activations}: the model has {n_layers} decoder "
-                         f"layers")
+    for flag, value in (("offload-activations", args.offload_activations),
+                        ("checkpoint-layers", args.checkpoint_layers)):
+        if value is not None and value > n_layers:
+            raise SystemExit(f"error: --{flag} {value}: the model has {n_layers} decoder layers")
     if args.tiled_mlp:
         tile_mlps(model, args.tiled_mlp)  # after any MLP replacement: it tiles whatever forward the MLP now has
     offloader = None
     if args.activation_checkpointing != "none":
-        offloader = enable_activation_checkpointing(model, args.activation_checkpointing, args.offload_activations)
+        offloader = enable_activation_checkpointing(model, args.activation_checkpointing, args.offload_activations,
+                                                    args.checkpoint_layers)
 
     model_with_loss = ModelWithLoss(model, loss_impl, args.lce_chunk_size)
     if args.fsdp:
