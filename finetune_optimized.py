@@ -85,6 +85,9 @@ def parse_args(argv=None):
                         help="instead of training: after a short warm-up step that creates the optimizer state, one "
                              "step per length at batch 1, reported as trained / out of memory (in which part of the "
                              "step) / not tried; the first length that does not fit ends the search")
+    parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
+                        help="instead of training: plot peak GPU memory against sequence length from the results "
+                             "files of fine-tune runs and searches (ours, Liger, ...) into --out (a .png)")
     parser.add_argument("--warmup-seq-len", type=int, default=None,
                         help="tokens per sequence of the warm-up step (default: --seq-len; 2048 for "
                              "--seq-len-search). A short warm-up compiles the kernels and creates the optimizer state "
@@ -134,6 +137,8 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
         parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
+    if args.plot and not (args.out or "").endswith(".png"):
+        parser.error("--plot writes a PNG: give its path with --out FILE.png")
     if args.warmup_seq_len is not None and args.warmup_seq_len < 2:
         parser.error("--warmup-seq-len must be at least 2 (the loss predicts each next token)")
     if args.tiled_mlp is not None and args.tiled_mlp <= 0:
@@ -554,6 +559,72 @@ def optimizer_in_backward(model, make_optimizer):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Reporting: peak memory against sequence length, from the JSON files of earlier runs (the same in both scripts)
+
+def flag_summary(options):
+    """The long-sequence flags of a run, short enough to label a point."""
+    parts = [options.get("activation_checkpointing", "none")]
+    if options.get("checkpoint_layers"):
+        parts.append(f"{options['checkpoint_layers']} layers")
+    if options.get("offload_activations"):
+        parts.append(f"offload {options['offload_activations']}")
+    if options.get("tiled_mlp"):
+        parts.append(f"MLP tiles {options['tiled_mlp']}")
+    if options.get("optimizer_in_backward"):
+        parts.append("optimizer in backward")
+    return ", ".join(parts)
+
+
+def plot_memory(paths, out_path):
+    """One line per kind of run (ours, Liger, baseline...): peak GPU memory at each sequence length that a results file
+    (a fine-tune or a --seq-len-search) reports; a cross where a length ran out of memory; each point labelled with
+    its flags and the memory it kept on the host."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    series = {}
+    for path in paths:
+        try:
+            result = json.loads(Path(path).read_text())
+            label = "ours (fused kernels)" if result["script"] == "finetune_optimized.py" else result["variant"]
+            rows = (result["seq_len_search"]["results"] if "seq_len_search" in result else
+                    [{"seq_len": result["options"]["seq_len"], "status": "trained",
+                      "peak_gib": result["peak_memory_gib"],
+                      "host_gib": (result.get("offload") or {}).get("host_bytes", 0) / 2**30}])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SystemExit(f"error: --plot {path}: not a fine-tune results file ({type(err).__name__}: {err})")
+        for row in rows:
+            if row["status"] in ("trained", "out of memory"):
+                series.setdefault(label, []).append((row, flag_summary(result["options"])))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for label, points in series.items():
+        points.sort(key=lambda point: point[0]["seq_len"])
+        trained = [(row["seq_len"], row["peak_gib"]) for row, _ in points if row["status"] == "trained"]
+        # dotted: the points of one series may use different flags (each is labelled)
+        line, = ax.plot(*zip(*trained) if trained else ([], []), marker="o", linestyle=":", label=label)
+        for row, flags in points:
+            host = f", +{row['host_gib']:.0f} GiB host" if row.get("host_gib") else ""
+            if row["status"] == "out of memory":
+                ax.plot(row["seq_len"], row["peak_gib"], marker="x", markersize=10, color=line.get_color())
+                flags = f"out of memory ({row['phase']})"
+            ax.annotate(f"{flags}{host}", (row["seq_len"], row["peak_gib"]), textcoords="offset points",
+                        xytext=(4, 6), fontsize=7, color=line.get_color())
+    ax.set_xscale("log", base=2)
+    lengths = [row["seq_len"] for points in series.values() for row, _ in points]
+    ax.set_xlim(min(lengths) / 1.3, max(lengths) * 3.5)  # room for the labels right of the last points
+    ax.set_xlabel("tokens per sequence (batch 1)")
+    ax.set_ylabel("peak GPU memory (GiB)")
+    ax.set_title("Peak GPU memory against sequence length\n(full fine-tune, batch 1; each point labelled with its "
+                 "flags)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    print(f"plot: {out_path}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Longest trainable sequence: one step per length, run after a warm-up step has created the optimizer state
 
 def seq_len_search(lengths, try_length):
@@ -602,6 +673,8 @@ def init_distributed(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot:
+        return plot_memory(args.plot, args.out)
     rank, world_size, device = init_distributed(args)
     if rank != 0:  # every rank runs this same script: rank 0's copy of the output is enough
         sys.stdout = open(os.devnull, "w")
