@@ -2,7 +2,7 @@
 
     python benchmark_kernels.py                        # every kernel at the playbook's sizes (GPU) or toy sizes (CPU)
     python benchmark_kernels.py --kernel rmsnorm --tokens 4096 16384 65536 --plot
-    python benchmark_kernels.py --kernel rope --plot   # q [1, 32, T, 128], k [1, 8, T, 128] (LLaMA-3.1-8B)
+    python benchmark_kernels.py --kernel all --out 'results/bench_{kernel}_h200.json' --plot   # one file per kernel
 
 What one run does
 -----------------
@@ -12,9 +12,9 @@ What one run does
 2. For every kernel, size and provider (an implementation: ours, PyTorch eager, torch.compile, Liger, ...):
    - a correctness check BEFORE timing: the forward output (or loss) and every gradient against a float64 reference
      built from the same rounded inputs. The error is a relative norm, |got - ref| / |ref| (an all-zero result scores
-     1.0). The rule is the project's: no worse than PyTorch eager in the same dtype times ERROR_FACTOR, plus a small
-     floor. A failing provider is marked FAIL in the table and the JSON; a failure of one of OUR providers makes the
-     exit code non-zero (other providers are reported, e.g. Liger's bf16 loss, not judged).
+     1.0). The rule: no worse than the kernel's rule provider (PyTorch in the same dtype) times ERROR_FACTOR, plus a
+     small floor. One of OUR providers above it is a FAIL and makes the exit code non-zero; any other provider above
+     it is reported as "above rule (peer)" and not judged (e.g. Liger's bf16 loss).
    - peak memory above inputs: inputs are created first, then `reset_peak_memory_stats`, then one forward+backward;
      the peak minus what was allocated before. It includes the gradients the step produces.
    - forward, backward and forward+backward times: `triton.testing.do_bench` medians with p20/p80 (the L2 cache is
@@ -25,43 +25,41 @@ What one run does
    - host time: the CPU time of one forward and one forward+backward call while the GPU runs behind (median of ten
      calls back to back, no synchronization). When it approaches the GPU time, the op is host-bound: Python, autograd
      and kernel launches set its speed, and a faster kernel would not show.
-   - effective bandwidth from the MINIMAL bytes each phase must move (formulas below, also in every JSON row), and its
-     percentage of the measured copy bandwidth. Extra traffic a provider makes (fp32 copies, saved intermediates)
-     shows up as a lower GB/s, which is the point.
+   - effective bandwidth from the MINIMAL bytes each phase must move (the formula is in the legend and in every JSON
+     row), and its percentage of the measured copy bandwidth. Extra traffic a provider makes (fp32 copies, saved
+     intermediates) shows up as a lower GB/s, which is the point. Compute-bound kernels report TFLOP/s instead.
 3. Prints one table per kernel with a legend, writes a JSON file (header: GPU, copy bandwidth, versions, commit,
    command, date; one row per kernel x provider x size x phase) and, with --plot, one PNG per kernel.
 
-Minimal bytes (s = bytes per element of the dtype; N = tokens)
---------------------------------------------------------------
-rmsnorm [N, H]          fwd 2*N*H*s (read x, write y)     bwd 3*N*H*s (read x, dy; write dx)      fwd+bwd 5*N*H*s
-cross_entropy [N, V]    fwd N*V*s (read the logits once: the loss alone)                          fwd+bwd 2*N*V*s
-                        (read the logits, write their gradient). Ours and Liger already write the gradient in the
-                        forward, so their "fwd" moves 2*N*V*s and their "bwd" is nearly empty: compare fwd+bwd.
-linear_cross_entropy    compute-bound (three [N, H] x [H, V] matmuls): TFLOP/s from 6*N*H*V for fwd+bwd, and memory.
-swiglu [N, I]           fwd 3*N*I*s (read gate, up; write out)   bwd 5*N*I*s (read gate, up, dy; write dgate, dup)
-                        fwd+bwd 8*N*I*s (the sum: the true minimum for a separate forward and backward) and, labelled
-                        "issue-8 count", 6*N*I*s (read gate, up, dy; write out, dgate, dup: as if the forward's reads
-                        were free). Under the 6*N*I*s count no implementation can pass 75 % of copy.
-rope q [1, Hq, N, D],   fwd (2*(Hq+Hk)+2)*N*D*s (read q, k, cos, sin; write q_embed, k_embed)   bwd the same
-k [1, Hk, N, D]         (read dq_embed, dk_embed, cos, sin; write dq, dk)   fwd+bwd (4*(Hq+Hk)+4)*N*D*s. q and k are
-                        the transposed views LlamaAttention passes; cos/sin [1, N, D] like LlamaRotaryEmbedding's.
+Outputs: without --out the JSON goes to the git-ignored runs/ folder, named after what distinguishes the run (kernel,
+device, and dtype, sizes, dims, providers when not the defaults). Measured results are kept in results/ only when
+--out says so; "{kernel}" in --out writes one file per kernel. The PNGs are named after the JSON path.
 
-Without a GPU everything runs on Triton's CPU interpreter at toy sizes; times come from time.perf_counter and are
-interpreter times, not meaningful, but the correctness checks and the output files are real (CI runs it that way).
+Registry: every kernel is one `register(KernelSpec(...))` entry (sizes, dims, case builder, float64 reference,
+providers, byte or FLOP counts, legend lines); the loop, tables, JSON, plots and legends read only the registry.
+A variant of ours (e.g. a loss option) is one more `Provider` in its kernel's list: its `options` are passed to it,
+to the float64 reference and to the rule provider, so it is judged against the same math.
+
+Without a GPU everything runs on Triton's CPU interpreter at toy sizes; times come from time.perf_counter over a few
+calls and are interpreter times, not meaningful, but the correctness checks and the output files are real (CI runs it
+that way).
 """
 import argparse
+import dataclasses
 import datetime
-import importlib
 import importlib.metadata
 import json
 import math
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -78,46 +76,44 @@ from tabulate import tabulate  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_DTYPE = "bf16"
 REPO = Path(__file__).resolve().parent
+RUNS_DIR = REPO / "runs"  # git-ignored: default outputs never dirty the checkout
+PHASES = ("fwd", "bwd", "fwd+bwd")
 RMSNORM_EPS = 1e-5  # LLaMA-3.1-8B's released config
 IGNORE_INDEX = -100
 
-# Default sizes: the playbook's tables on a GPU, toy sizes on the interpreter (~1 ms per Triton program there).
-GPU_TOKENS = {
-    "rmsnorm": [256, 512, 1024, 2048, 4096, 8192, 16384, 65536],       # + issue 2's rows 4096, 16384, 65536
-    "cross_entropy": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],  # issue 3's rows are 4096 and 16384
-    "linear_cross_entropy": [1024, 4096, 16384],
-    "swiglu": [256, 512, 1024, 2048, 4096, 8192, 16384],
-    "rope": [512, 2048, 8192, 16384],  # sequence length T at batch 1
-}
-CPU_TOKENS = {kernel: [4, 8] for kernel in GPU_TOKENS}
-GPU_DIMS = {"hidden": 4096, "vocab": 128256, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128}
-CPU_DIMS = {"hidden": 64, "vocab": 500, "intermediate": 100, "heads": 4, "kv_heads": 2, "head_dim": 16}
-
-# Correctness rule: error <= ERROR_FACTOR * (eager's error) + ERROR_FLOOR[dtype of that output]. The interpreter
+# Correctness rule: error <= ERROR_FACTOR * (rule provider's error) + ERROR_FLOOR[dtype of that output]. The interpreter
 # truncates fp32 -> bf16/fp16 casts instead of rounding to nearest (error up to one unit in the last place, biased),
 # which makes a correct kernel's error several times PyTorch's: there the floor is one such unit (2**-8 in bf16), still
 # far below the error of an all-zero or wrong result (~1).
 ERROR_FACTOR = 2.0 if ON_GPU else 5.0
 ERROR_FLOOR = ({torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5} if ON_GPU else
                {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11})
+# The "check" column: ours are judged, every other provider (a peer or the rule provider itself) is only reported.
+PASS, FAIL, PEER_ABOVE, PEER_FAILED, UNCHECKED = "pass", "FAIL", "above rule (peer)", "failed (peer)", "unchecked"
 MIN_TIMED_CALLS = 5  # slow providers (100 ms linear CE) still get this many timed calls
 CPU_TIMED_CALLS = 3
+CPU_COPY_BYTES = 64 * 2**20
 # Host time: calls back to back without synchronizing. Ten calls launch at most a few hundred kernels, far from the
 # 1024 that fill CUDA's launch queue (past that the host would wait for the GPU and time it instead).
 HOST_TIMED_CALLS = 10 if ON_GPU else 1
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The kernels: inputs, float64 references, providers, byte counts
-# ---------------------------------------------------------------------------------------------------------------------
-# A "case" holds the inputs of one size: `args` are passed positionally to every provider, `grad_inputs` names the
-# arguments whose gradients are checked ({"dx": 0} = the gradient of args[0] is reported as "dx"), `dy` is the
-# upstream gradient (None for a scalar loss). A kernel with several outputs (rope: q_embed, k_embed) has a tuple of
-# output names and a tuple of upstream gradients, one each.
+# ----------------------------------------------------------------------------------------------------------------------
+# The registry: one KernelSpec per kernel
+# ----------------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
 class Case:
-    def __init__(self, args, grad_inputs, dy, out_name, shape):
-        self.args, self.grad_inputs, self.dy, self.out_name, self.shape = args, grad_inputs, dy, out_name, shape
+    """The inputs of one size. `args` are passed positionally to every provider; `grad_inputs` names the arguments
+    whose gradients are checked ({"dx": 0}: the gradient of args[0] is reported as "dx"); `dy` is the upstream
+    gradient (None for a scalar loss). A kernel with several outputs (rope: q_embed, k_embed) has a tuple of output
+    names and a tuple of upstream gradients, one each. `shape` goes into the JSON rows and the byte counts."""
+    args: list
+    grad_inputs: dict
+    dy: object
+    out_name: object
+    shape: dict
 
     def fresh(self):
         """A private copy of the inputs: in-place providers (Liger, ours_inplace) overwrite their logits / dy.
@@ -128,12 +124,79 @@ class Case:
         return args, None if self.dy is None else self.dy.clone()
 
 
-def run_backward(out, dy, retain_graph=False):
-    """out.backward(dy), also for a tuple of outputs with a tuple of upstream gradients."""
-    if isinstance(out, tuple):
-        torch.autograd.backward(out, dy, retain_graph=retain_graph)
-    else:
-        out.backward(dy, retain_graph=retain_graph)
+@dataclasses.dataclass(frozen=True)
+class Count:
+    """Bytes (or FLOPs) one phase must move (or compute). `formula` is what the legend and the JSON rows show;
+    `value(shape, s)` evaluates it for a case's shape dict and s bytes per element (FLOP counts ignore s)."""
+    formula: str
+    value: Callable[[dict, int], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    """One implementation, one row per size in the table. `load(**options)` returns the callable that takes the
+    case's args (it may import an optional package: ImportError gives a "not installed" row; SkipProvider a row with
+    its reason). Providers with `ours` are judged (their FAIL fails the run); the others are peers, only reported.
+    `options` are keyword options of the math (e.g. a loss option of a variant of ours): the float64 reference and
+    the rule provider are called with the same ones. `dtypes` limits the provider to these --dtype values."""
+    name: str
+    load: Callable[..., Callable]
+    note: Optional[str] = None
+    ours: bool = False
+    options: dict = dataclasses.field(default_factory=dict)
+    dtypes: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Everything the benchmark knows about one kernel."""
+    name: str
+    tokens_gpu: tuple             # default token counts N (rows) on a GPU ...
+    tokens_cpu: tuple             # ... and on the CPU interpreter (~1 ms per Triton program there: toy sizes)
+    dims_gpu: dict                # the other dimensions by name (each becomes a --<name> option) on a GPU ...
+    dims_cpu: dict                # ... and on the CPU
+    make_case: Callable           # (tokens, dims, dtype, torch.Generator) -> Case
+    reference: Callable           # (case, **options) -> {output or gradient name: float64 tensor}
+    providers: tuple              # Provider entries, in table order
+    rule_provider: str            # whose error (times ERROR_FACTOR, plus a floor) every provider must not exceed
+    bytes: dict = dataclasses.field(default_factory=dict)  # phase -> Count: minimal bytes, GB/s and % of copy
+    flops: dict = dataclasses.field(default_factory=dict)  # phase -> Count: FLOPs, TFLOP/s (compute-bound kernels)
+    legend: tuple = ()            # legend lines of this kernel alone
+    fp32_outputs: tuple = ()      # outputs returned in fp32 whatever the input dtype (losses): they get the fp32 floor
+    extra_providers: Optional[Callable] = None  # argparse args -> more Provider entries chosen by options
+
+    def providers_for(self, args):
+        """The providers that apply to this run's dtype (and options), in table order."""
+        listed = [*self.providers, *(self.extra_providers(args) if self.extra_providers else [])]
+        return [p for p in listed if not p.dtypes or args.dtype in p.dtypes]
+
+    def provider(self, name):
+        return next(p for p in self.providers if p.name == name)
+
+
+KERNELS = {}
+
+
+def register(spec):
+    """Add a kernel to the benchmark (its name becomes a --kernel choice)."""
+    if spec.rule_provider not in {p.name for p in spec.providers}:
+        raise ValueError(f"register: {spec.name}'s rule provider {spec.rule_provider!r} is not one of its providers")
+    KERNELS[spec.name] = spec
+    return spec
+
+
+class SkipProvider(Exception):
+    """Raised by a provider's load() when it cannot run here; its message becomes the row's status."""
+
+
+def _compiled(fn):
+    """torch.compile of the eager math, compiled afresh for every size (static shapes, like the playbook's runs)."""
+    if not ON_GPU:
+        raise SkipProvider("skipped on CPU")
+    from torch import _dynamo
+
+    _dynamo.reset()  # drop the previous size's graphs: no recompile limit, no dynamic-shape fallback
+    return torch.compile(fn, dynamic=False)
 
 
 def _randn(*shape, dtype, gen, scale=1.0):
@@ -146,7 +209,12 @@ def _reference_chunks(n_rows, row_elems):
     return [(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
 
-# --- RMSNorm ---------------------------------------------------------------------------------------------------------
+def _per_row(factor, *dims):
+    """Count factor * N * dims... * s, e.g. _per_row(5, "hidden") for 5*N*H*s."""
+    return lambda shape, s: factor * shape["tokens"] * math.prod(shape[d] for d in dims) * s
+
+
+# --- RMSNorm ----------------------------------------------------------------------------------------------------------
 def rmsnorm_case(tokens, dims, dtype, gen):
     hidden = dims["hidden"]
     x = _randn(tokens, hidden, dtype=dtype, gen=gen).requires_grad_()
@@ -170,21 +238,35 @@ def llama_rmsnorm_math(x, weight):
     return weight * hidden.to(x.dtype)
 
 
-def rmsnorm_providers():
-    def ours():
-        from rmsnorm_kernel import rms_norm
-        return lambda x, weight: rms_norm(x, weight, RMSNORM_EPS)
-
-    def liger():
-        from liger_kernel.ops import LigerRMSNormFunction
-        # LigerRMSNorm's defaults for LLaMA: casting_mode="llama", in_place=True (dx overwrites dy in the backward).
-        return lambda x, weight: LigerRMSNormFunction.apply(x, weight, RMSNORM_EPS, 0.0, "llama", True, None)
-
-    return {"ours": ours, "eager": lambda: llama_rmsnorm_math, "torch_compile": lambda: _compiled(llama_rmsnorm_math),
-            "liger": liger}
+def _ours_rmsnorm():
+    from rmsnorm_kernel import rms_norm
+    return lambda x, weight: rms_norm(x, weight, RMSNORM_EPS)
 
 
-# --- Cross-entropy ---------------------------------------------------------------------------------------------------
+def _liger_rmsnorm():
+    from liger_kernel.ops import LigerRMSNormFunction
+    # LigerRMSNorm's defaults for LLaMA: casting_mode="llama", in_place=True (dx overwrites dy in the backward).
+    return lambda x, weight: LigerRMSNormFunction.apply(x, weight, RMSNORM_EPS, 0.0, "llama", True, None)
+
+
+register(KernelSpec(
+    name="rmsnorm",
+    tokens_gpu=(256, 512, 1024, 2048, 4096, 8192, 16384, 65536), tokens_cpu=(4, 8),
+    dims_gpu={"hidden": 4096}, dims_cpu={"hidden": 64},
+    make_case=rmsnorm_case, reference=rmsnorm_reference, rule_provider="eager",
+    providers=(
+        Provider("ours", _ours_rmsnorm, ours=True),
+        Provider("eager", lambda: llama_rmsnorm_math, "transformers' LlamaRMSNorm math"),
+        Provider("torch_compile", lambda: _compiled(llama_rmsnorm_math), "torch.compile of the eager math"),
+        Provider("liger", _liger_rmsnorm, "casting_mode='llama', in_place=True (dx overwrites dy)"),
+    ),
+    bytes={"fwd": Count("2*N*H*s", _per_row(2, "hidden")), "bwd": Count("3*N*H*s", _per_row(3, "hidden")),
+           "fwd+bwd": Count("5*N*H*s", _per_row(5, "hidden"))},
+    legend=("fwd reads x, writes y; bwd reads x, dy, writes dx (the weight and dw, H elements each, are left out)",),
+))
+
+
+# --- Cross-entropy ----------------------------------------------------------------------------------------------------
 def cross_entropy_case(tokens, dims, dtype, gen):
     vocab = dims["vocab"]
     logits = _randn(tokens, vocab, dtype=dtype, gen=gen, scale=2.0).requires_grad_()
@@ -216,28 +298,48 @@ def torch_lowp_cross_entropy(logits, targets):
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
-def cross_entropy_providers(dtype_name):
-    def ours():
-        from cross_entropy_kernel import cross_entropy
-        return lambda logits, targets: cross_entropy(logits, targets)
-
-    def ours_inplace():
-        from cross_entropy_kernel import cross_entropy
-        return lambda logits, targets: cross_entropy(logits, targets, inplace_backward=True)
-
-    def liger():
-        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
-        return LigerCrossEntropyLoss(ignore_index=IGNORE_INDEX)
-
-    providers = {"ours": ours, "ours_inplace": ours_inplace, "torch_fp32": lambda: torch_fp32_cross_entropy}
-    if dtype_name != "fp32":  # in fp32 the "low precision" path is the fp32 path
-        providers[f"torch_{dtype_name}"] = lambda: torch_lowp_cross_entropy
-    providers["torch_compile"] = lambda: _compiled(torch_fp32_cross_entropy)
-    providers["liger"] = liger
-    return providers
+def _ours_cross_entropy(**options):
+    from cross_entropy_kernel import cross_entropy
+    return lambda logits, targets: cross_entropy(logits, targets, **options)
 
 
-# --- Linear cross-entropy --------------------------------------------------------------------------------------------
+def _liger_cross_entropy():
+    from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+    return LigerCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+
+
+_OURS_CE_NOTE = ("forward computes loss AND gradient (moves 2*N*V*s); backward only scales it by grad_output "
+                 "(a no-op at 1)")
+register(KernelSpec(
+    name="cross_entropy",
+    tokens_gpu=(128, 256, 512, 1024, 2048, 4096, 8192, 16384), tokens_cpu=(4, 8),
+    dims_gpu={"vocab": 128256}, dims_cpu={"vocab": 500},
+    make_case=cross_entropy_case, reference=cross_entropy_reference, rule_provider="torch_fp32",
+    fp32_outputs=("loss",),
+    providers=(
+        Provider("ours", _ours_cross_entropy, _OURS_CE_NOTE, ours=True),
+        Provider("ours_inplace", lambda: _ours_cross_entropy(inplace_backward=True),
+                 "as ours, gradient written into the logits buffer (+0 MB); timed calls reuse the overwritten buffer "
+                 "(same bytes and work), correctness uses fresh logits", ours=True),
+        Provider("torch_fp32", lambda: torch_fp32_cross_entropy,
+                 "logits.float() copy, fp32 log_softmax saved for the backward"),
+        # In fp32 the low-precision path is the fp32 path: these two exist only in their own dtype.
+        Provider("torch_bf16", lambda: torch_lowp_cross_entropy,
+                 "F.cross_entropy in bf16: bf16 loss, so it is above the fp32-loss rule by design", dtypes=("bf16",)),
+        Provider("torch_fp16", lambda: torch_lowp_cross_entropy,
+                 "F.cross_entropy in fp16: fp16 loss, so it is above the fp32-loss rule by design", dtypes=("fp16",)),
+        Provider("torch_compile", lambda: _compiled(torch_fp32_cross_entropy), "torch.compile of the fp32 path"),
+        Provider("liger", _liger_cross_entropy, "gradient written into the logits buffer during the forward; host "
+                 "syncs (.item()) in forward and torch.equal in backward; loss in the logits' dtype"),
+    ),
+    bytes={"fwd": Count("N*V*s", _per_row(1, "vocab")), "fwd+bwd": Count("2*N*V*s", _per_row(2, "vocab"))},
+    legend=("fwd reads the logits once (the loss alone); fwd+bwd also writes their gradient",
+            "ours, ours_inplace and liger write the gradient in the forward: their fwd GB/s counts only N*V*s of the "
+            "2*N*V*s they move, and their bwd is nearly empty: compare fwd+bwd"),
+))
+
+
+# --- Linear cross-entropy ---------------------------------------------------------------------------------------------
 def linear_cross_entropy_case(tokens, dims, dtype, gen):
     hidden, vocab = dims["hidden"], dims["vocab"]
     h = _randn(tokens, hidden, dtype=dtype, gen=gen).requires_grad_()
@@ -267,29 +369,50 @@ def eager_linear_cross_entropy(h, weight, targets):
     return F.cross_entropy((h @ weight.t()).float(), targets, ignore_index=IGNORE_INDEX)
 
 
-def linear_cross_entropy_providers(chunk_sizes):
-    def ours(chunk_size=None):
-        from cross_entropy_kernel import linear_cross_entropy
-        return lambda h, weight, targets: linear_cross_entropy(h, weight, targets, chunk_size=chunk_size)
-
-    def liger():
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-        loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
-        return lambda h, weight, targets: loss(weight, h, targets)  # Liger takes (lm_head weight, hidden, targets)
-
-    def cce():
-        from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
-        # Defaults kept (impl="cce", filter_eps="high": gradient entries below a threshold are skipped).
-        return lambda h, weight, targets: cce_linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX)
-
-    providers = {"ours": ours}
-    for size in chunk_sizes or []:
-        providers[f"ours_chunk{size}"] = lambda size=size: ours(size)
-    providers.update({"eager": lambda: eager_linear_cross_entropy, "liger": liger, "cce": cce})
-    return providers
+def _ours_linear_cross_entropy(**options):
+    from cross_entropy_kernel import linear_cross_entropy
+    return lambda h, weight, targets: linear_cross_entropy(h, weight, targets, **options)
 
 
-# --- SwiGLU ----------------------------------------------------------------------------------------------------------
+def _liger_linear_cross_entropy():
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+    return lambda h, weight, targets: loss(weight, h, targets)  # Liger takes (lm_head weight, hidden, targets)
+
+
+def _cce_linear_cross_entropy():
+    from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
+    # Defaults kept (impl="cce", filter_eps="high": gradient entries below a threshold are skipped).
+    return lambda h, weight, targets: cce_linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX)
+
+
+def _ours_linear_cross_entropy_chunks(args):
+    """--chunk-sizes C...: ours again with an explicit chunk_size, one row each (ours_chunk<C>)."""
+    return [Provider(f"ours_chunk{size}", lambda size=size: _ours_linear_cross_entropy(chunk_size=size),
+                     f"as ours, chunk_size={size}", ours=True) for size in args.chunk_sizes or []]
+
+
+register(KernelSpec(
+    name="linear_cross_entropy",
+    tokens_gpu=(1024, 4096, 16384), tokens_cpu=(4, 8),
+    dims_gpu={"hidden": 4096, "vocab": 128256}, dims_cpu={"hidden": 64, "vocab": 500},
+    make_case=linear_cross_entropy_case, reference=linear_cross_entropy_reference, rule_provider="eager",
+    fp32_outputs=("loss",),
+    providers=(
+        Provider("ours", _ours_linear_cross_entropy,
+                 "loss and all gradients computed in the forward (token chunks); backward scales", ours=True),
+        Provider("eager", lambda: eager_linear_cross_entropy, "bf16 [N, V] logits, fp32 copy for the loss"),
+        Provider("liger", _liger_linear_cross_entropy, "loss and all gradients computed in the forward (token chunks)"),
+        Provider("cce", _cce_linear_cross_entropy,
+                 "filter_eps='high' (default): small gradient entries skipped (approximate)"),
+    ),
+    extra_providers=_ours_linear_cross_entropy_chunks,
+    flops={"fwd+bwd": Count("6*N*H*V", lambda shape, s: 6 * shape["tokens"] * shape["hidden"] * shape["vocab"])},
+    legend=("three [N, H] x [H, V] matmuls (logits, dh, dW): compute-bound, so TFLOP/s instead of GB/s",),
+))
+
+
+# --- SwiGLU -----------------------------------------------------------------------------------------------------------
 def swiglu_case(tokens, dims, dtype, gen):
     inter = dims["intermediate"]
     gate = _randn(tokens, inter, dtype=dtype, gen=gen, scale=2.0).requires_grad_()
@@ -310,20 +433,35 @@ def eager_swiglu(gate, up):
     return F.silu(gate) * up
 
 
-def swiglu_providers():
-    def ours():
-        from swiglu_kernel import swiglu
-        return swiglu
-
-    def liger():
-        from liger_kernel.ops import LigerSiLUMulFunction
-        return lambda gate, up: LigerSiLUMulFunction.apply(gate, up, 1.0, 1.0)
-
-    return {"ours": ours, "eager": lambda: eager_swiglu, "torch_compile": lambda: _compiled(eager_swiglu),
-            "liger": liger}
+def _ours_swiglu():
+    from swiglu_kernel import swiglu
+    return swiglu
 
 
-# --- RoPE ------------------------------------------------------------------------------------------------------------
+def _liger_swiglu():
+    from liger_kernel.ops import LigerSiLUMulFunction
+    return lambda gate, up: LigerSiLUMulFunction.apply(gate, up, 1.0, 1.0)
+
+
+register(KernelSpec(
+    name="swiglu",
+    tokens_gpu=(256, 512, 1024, 2048, 4096, 8192, 16384), tokens_cpu=(4, 8),
+    dims_gpu={"intermediate": 14336}, dims_cpu={"intermediate": 100},
+    make_case=swiglu_case, reference=swiglu_reference, rule_provider="eager",
+    providers=(
+        Provider("ours", _ours_swiglu, ours=True),
+        Provider("eager", lambda: eager_swiglu, "transformers' LlamaMLP: silu(gate) * up in the model dtype"),
+        Provider("torch_compile", lambda: _compiled(eager_swiglu), "torch.compile of the eager math"),
+        Provider("liger", _liger_swiglu, "LigerSiLUMulFunction"),
+    ),
+    bytes={"fwd": Count("3*N*I*s", _per_row(3, "intermediate")), "bwd": Count("5*N*I*s", _per_row(5, "intermediate")),
+           "fwd+bwd": Count("8*N*I*s", _per_row(8, "intermediate"))},
+    legend=("fwd reads gate, up, writes out; bwd reads gate, up, dy, writes dgate, dup: 8*N*I*s is the minimum of a "
+            "separate forward and backward",),
+))
+
+
+# --- RoPE -------------------------------------------------------------------------------------------------------------
 def rope_case(tokens, dims, dtype, gen):
     heads, kv_heads, head_dim = dims["heads"], dims["kv_heads"], dims["head_dim"]
 
@@ -361,109 +499,56 @@ def eager_rope():
     return apply_rotary_pos_emb
 
 
-def rope_providers():
-    def ours():
-        from rope_kernel import apply_rotary_pos_emb
-        return apply_rotary_pos_emb
-
-    def liger():
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb
-        # Some Liger versions return (q, k, cos, sin): keep the two embeddings.
-        return lambda q, k, cos, sin: tuple(liger_rotary_pos_emb(q, k, cos, sin)[:2])
-
-    return {"ours": ours, "eager": eager_rope, "torch_compile": lambda: _compiled(eager_rope()), "liger": liger}
+def _ours_rope():
+    from rope_kernel import apply_rotary_pos_emb
+    return apply_rotary_pos_emb
 
 
-def _compiled(fn):
-    """torch.compile of the eager math, compiled afresh for every size (static shapes, like the playbook's runs)."""
-    if not ON_GPU:
-        raise SkipProvider("skipped on CPU")
-    from torch import _dynamo
-
-    _dynamo.reset()  # drop the previous size's graphs: no recompile limit, no dynamic-shape fallback
-    return torch.compile(fn, dynamic=False)
+def _liger_rope():
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    # Some Liger versions return (q, k, cos, sin): keep the two embeddings.
+    return lambda q, k, cos, sin: tuple(liger_rotary_pos_emb(q, k, cos, sin)[:2])
 
 
-class SkipProvider(Exception):
-    pass
+def _rope_bytes(passes):
+    """`passes` passes of RoPE: each reads q and k (or their gradients), writes their rotations, reads cos and sin."""
+    return lambda d, s: passes * (2 * (d["heads"] + d["kv_heads"]) + 2) * d["tokens"] * d["head_dim"] * s
 
 
-def _rope_bytes(d, s):
-    """One pass of RoPE: read q and k, write their rotations, read the cos and sin rows ([1, N, D] each)."""
-    return (2 * (d["heads"] + d["kv_heads"]) + 2) * d["tokens"] * d["head_dim"] * s
+register(KernelSpec(
+    name="rope",
+    tokens_gpu=(512, 2048, 8192, 16384), tokens_cpu=(4, 8),
+    dims_gpu={"heads": 32, "kv_heads": 8, "head_dim": 128}, dims_cpu={"heads": 4, "kv_heads": 2, "head_dim": 16},
+    make_case=rope_case, reference=rope_reference, rule_provider="eager",
+    providers=(
+        Provider("ours", _ours_rope, "one launch for q and k; strided (transposed) inputs read in place; fp32 math, "
+                 "one rounding", ours=True),
+        Provider("eager", eager_rope, "transformers' apply_rotary_pos_emb: separate mul/neg/cat/mul/add kernels, a "
+                 "rounding after each"),
+        Provider("torch_compile", lambda: _compiled(eager_rope()), "torch.compile of transformers' function"),
+        Provider("liger", _liger_rope, "liger_rotary_pos_emb: rotates q and k in their own buffers (and the "
+                 "gradients in dq_embed's); reads only the first half of cos/sin (assumes their halves are equal, "
+                 "as in LLaMA)"),
+    ),
+    bytes={"fwd": Count("(2*(Hq+Hk)+2)*N*D*s", _rope_bytes(1)), "bwd": Count("(2*(Hq+Hk)+2)*N*D*s", _rope_bytes(1)),
+           "fwd+bwd": Count("(4*(Hq+Hk)+4)*N*D*s", _rope_bytes(2))},
+    legend=("tokens = sequence length T at batch 1; q [1, Hq, T, D] and k [1, Hk, T, D] are the transposed views "
+            "LlamaAttention passes, cos/sin [1, T, D] as LlamaRotaryEmbedding builds them",
+            "fwd reads q, k, cos, sin, writes q_embed, k_embed; bwd the same with the gradients"),
+))
 
 
-# Byte / FLOP counts per phase: (formula text, function of the case's shape dict and bytes per element).
-KERNELS = {
-    "rmsnorm": {
-        "case": rmsnorm_case, "reference": rmsnorm_reference, "baseline": "eager",
-        "bytes": {"fwd": ("2*N*H*s", lambda d, s: 2 * d["tokens"] * d["hidden"] * s),
-                  "bwd": ("3*N*H*s", lambda d, s: 3 * d["tokens"] * d["hidden"] * s),
-                  "fwd+bwd": ("5*N*H*s", lambda d, s: 5 * d["tokens"] * d["hidden"] * s)},
-    },
-    "cross_entropy": {
-        "case": cross_entropy_case, "reference": cross_entropy_reference, "baseline": "torch_fp32",
-        "bytes": {"fwd": ("N*V*s", lambda d, s: d["tokens"] * d["vocab"] * s),
-                  "fwd+bwd": ("2*N*V*s", lambda d, s: 2 * d["tokens"] * d["vocab"] * s)},
-    },
-    "linear_cross_entropy": {
-        "case": linear_cross_entropy_case, "reference": linear_cross_entropy_reference, "baseline": "eager",
-        "flops": {"fwd+bwd": ("6*N*H*V", lambda d: 6 * d["tokens"] * d["hidden"] * d["vocab"])},
-    },
-    "swiglu": {
-        "case": swiglu_case, "reference": swiglu_reference, "baseline": "eager",
-        "bytes": {"fwd": ("3*N*I*s", lambda d, s: 3 * d["tokens"] * d["intermediate"] * s),
-                  "bwd": ("5*N*I*s", lambda d, s: 5 * d["tokens"] * d["intermediate"] * s),
-                  "fwd+bwd": ("8*N*I*s", lambda d, s: 8 * d["tokens"] * d["intermediate"] * s)},
-        "issue_bytes": {"fwd+bwd": ("6*N*I*s", lambda d, s: 6 * d["tokens"] * d["intermediate"] * s)},
-    },
-    "rope": {
-        "case": rope_case, "reference": rope_reference, "baseline": "eager",
-        "bytes": {"fwd": ("(2*(Hq+Hk)+2)*N*D*s", lambda d, s: _rope_bytes(d, s)),
-                  "bwd": ("(2*(Hq+Hk)+2)*N*D*s", lambda d, s: _rope_bytes(d, s)),
-                  "fwd+bwd": ("(4*(Hq+Hk)+4)*N*D*s", lambda d, s: 2 * _rope_bytes(d, s))},
-    },
-}
-
-# What each phase means for providers that do not split the work the obvious way (copied into the JSON rows).
-NOTES = {
-    ("cross_entropy", "ours"): "forward computes loss AND gradient (moves 2*N*V*s); backward only scales it by "
-                               "grad_output (a no-op at 1)",
-    ("cross_entropy", "ours_inplace"): "as ours, gradient written into the logits buffer (+0 MB); timed calls reuse "
-                                       "the overwritten buffer (same bytes and work), correctness uses fresh logits",
-    ("cross_entropy", "liger"): "gradient written into the logits buffer during the forward; host syncs (.item()) "
-                                "in forward and torch.equal in backward; loss in the logits' dtype",
-    ("cross_entropy", "torch_fp32"): "logits.float() copy, fp32 log_softmax saved for the backward",
-    ("cross_entropy", "torch_compile"): "torch.compile of the fp32 path",
-    ("cross_entropy", "torch_bf16"): "F.cross_entropy in bf16: bf16 loss, so it fails the fp32-loss rule by design",
-    ("cross_entropy", "torch_fp16"): "F.cross_entropy in fp16: fp16 loss, so it fails the fp32-loss rule by design",
-    ("linear_cross_entropy", "ours"): "loss and all gradients computed in the forward (token chunks); backward scales",
-    ("linear_cross_entropy", "liger"): "loss and all gradients computed in the forward (token chunks)",
-    ("linear_cross_entropy", "cce"): "filter_eps='high' (default): small gradient entries skipped (approximate)",
-    ("linear_cross_entropy", "eager"): "bf16 [N, V] logits, fp32 copy for the loss",
-    ("rmsnorm", "liger"): "casting_mode='llama', in_place=True (dx overwrites dy)",
-    ("rope", "ours"): "one launch for q and k; strided (transposed) inputs read in place; fp32 math, one rounding",
-    ("rope", "eager"): "transformers' apply_rotary_pos_emb: separate mul/neg/cat/mul/add kernels, a rounding after each",
-    ("rope", "liger"): "liger_rotary_pos_emb: rotates q and k in their own buffers (and the gradients in dq_embed's); "
-                       "reads only the first half of cos/sin (assumes their halves are equal, as in LLaMA)",
-}
-
-
-def providers_for(kernel, args):
-    if kernel == "rmsnorm":
-        return rmsnorm_providers()
-    if kernel == "cross_entropy":
-        return cross_entropy_providers(args.dtype)
-    if kernel == "linear_cross_entropy":
-        return linear_cross_entropy_providers(args.chunk_sizes)
-    if kernel == "rope":
-        return rope_providers()
-    return swiglu_providers()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
 # Measuring: errors, memory, time
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+def run_backward(out, dy, retain_graph=False):
+    """out.backward(dy), also for a tuple of outputs with a tuple of upstream gradients."""
+    if isinstance(out, tuple):
+        torch.autograd.backward(out, dy, retain_graph=retain_graph)
+    else:
+        out.backward(dy, retain_graph=retain_graph)
+
+
 def run_once(fn, case):
     """One forward + backward on fresh inputs; returns the output and the gradients by name."""
     args, dy = case.fresh()
@@ -574,7 +659,7 @@ def time_phases(fn, case, rep_ms, warmup_ms):
         out = None
     if out is not None:
         phases["bwd"] = time_ms(backward_again, leaves, rep_ms, warmup_ms)
-        bwd_method = "do_bench" if ON_GPU else "perf_counter"
+        bwd_method = timing_method()
     else:
         # Two medians' difference: a near-empty backward can come out slightly negative; that is noise, shown as 0.
         phases["bwd"] = (max(0.0, phases["fwd+bwd"][0] - phases["fwd"][0]), None, None)
@@ -582,100 +667,145 @@ def time_phases(fn, case, rep_ms, warmup_ms):
     return phases, bwd_method, host
 
 
+def timing_method():
+    return "do_bench" if ON_GPU else "perf_counter"
+
+
 def measure_copy_bandwidth(copy_gib):
     """GB/s of a device-to-device copy: (bytes read + bytes written) / median time."""
-    n_bytes = int(copy_gib * 2**30) if ON_GPU else 64 * 2**20
+    n_bytes = int(copy_gib * 2**30) if ON_GPU else CPU_COPY_BYTES
     src = torch.empty(n_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     median_ms = time_ms(lambda: dst.copy_(src), [], 100, 25)[0]
     return 2 * n_bytes / (median_ms * 1e-3) / 1e9, n_bytes
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
 # One kernel: check, measure, make rows
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+def kernel_dims(spec, args):
+    """The kernel's dimensions: a --<dim> option when given, else the kernel's GPU or CPU default."""
+    defaults = spec.dims_gpu if ON_GPU else spec.dims_cpu
+    return {name: getattr(args, name, None) or default for name, default in defaults.items()}
+
+
+def kernel_tokens(spec, args):
+    return list(args.tokens or (spec.tokens_gpu if ON_GPU else spec.tokens_cpu))
+
+
+def _short(exc):
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
+def check_label(provider, passed):
+    """pass, FAIL for ours, "above rule (peer)" for any other provider: only ours are judged."""
+    if passed:
+        return PASS
+    return FAIL if provider.ours else PEER_ABOVE
+
+
+def correctness_rule(spec, case, options, dtype):
+    """(float64 reference, the rule provider's errors, limits) for one case and one set of options, or the exception
+    that prevented them (e.g. out of memory at a size too large for this device)."""
+    try:
+        ref = spec.reference(case, **options)
+        rule_errors = errors_of(run_once(spec.provider(spec.rule_provider).load(**options), case), ref)
+    except Exception as exc:
+        if ON_GPU:
+            torch.cuda.empty_cache()
+        return exc
+    # The floor follows the dtype of the output: losses are fp32 (what transformers' loss returns), the rest dtype.
+    limits = {name: ERROR_FACTOR * err + ERROR_FLOOR[torch.float32 if name in spec.fp32_outputs else dtype]
+              for name, err in rule_errors.items()}
+    return ref, rule_errors, limits
+
+
 def benchmark_kernel(kernel, args, copy_gbps):
+    """Check and time every provider of KERNELS[kernel] at every size: (JSON rows, failures of our providers)."""
     spec = KERNELS[kernel]
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    dims = {name: getattr(args, name) for name in GPU_DIMS}
-    all_providers = providers_for(kernel, args)
-    selected = [p for p in all_providers if not args.providers or p in args.providers]
+    dims = kernel_dims(spec, args)
+    selected = [p for p in spec.providers_for(args) if not args.providers or p.name in args.providers]
     rows, failures = [], []
 
     def base_row(provider, status):
-        return {"kernel": kernel, "provider": provider, "status": status, "dtype": args.dtype,
-                "note": NOTES.get((kernel, provider)), "error": None, "check": None}
+        row = {"kernel": kernel, "provider": provider.name, "status": status, "dtype": args.dtype,
+               "note": provider.note, "judged": provider.ours, "error": None, "check": None}
+        if provider.options:
+            row["options"] = provider.options
+        return row
 
-    # Factories that cannot work at all (not installed, skipped on CPU) give one row and are dropped.
-    factories = {}
+    # Providers that cannot load at all (not installed, skipped on CPU) give one row and are dropped.
+    loadable = []
     for provider in selected:
         try:
-            all_providers[provider]()
-            factories[provider] = all_providers[provider]
+            provider.load(**provider.options)
+            loadable.append(provider)
+            continue
         except SkipProvider as reason:
-            rows.append(base_row(provider, str(reason)))
+            status = str(reason)
         except Exception as exc:  # ImportError: the package is absent; anything else: it is there but broken
             status = (f"not installed ({exc.name or exc})" if isinstance(exc, ImportError) else
-                      f"failed to load: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            rows.append(base_row(provider, status))
-            if provider.startswith("ours"):
-                failures.append(f"{kernel}/{provider}: {status}")
-        if provider not in factories:
-            print(f"  {kernel:<21} {provider:<14} {rows[-1]['status']}")
+                      f"failed to load: {_short(exc)}")
+            if provider.ours:
+                failures.append(f"{kernel}/{provider.name}: {status}")
+        rows.append(base_row(provider, status))
+        print(f"  {kernel:<21} {provider.name:<14} {status}")
 
-    for tokens in args.tokens or (GPU_TOKENS if ON_GPU else CPU_TOKENS)[kernel]:
+    for tokens in kernel_tokens(spec, args):
         gen = torch.Generator(device=DEVICE).manual_seed(args.seed + tokens)  # fresh data for every size
-        baseline = spec["baseline"]
         try:
-            case = spec["case"](tokens, dims, dtype, gen)
-            ref = spec["reference"](case)
-            baseline_errors = errors_of(run_once(all_providers[baseline](), case), ref)
-        except Exception as exc:  # e.g. out of memory at a size too large for this device: no provider can be checked
-            status = f"failed: reference/baseline: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            rows += [dict(base_row(provider, status), tokens=tokens, check="FAIL") for provider in factories]
-            failures.append(f"{kernel} N={tokens}: {status}")
-            print(f"  {kernel:<21} N={tokens:<6} {status}")
-            case = ref = None
-            if ON_GPU:
-                torch.cuda.empty_cache()
-            continue
-        # The floor follows the dtype of the output: losses are fp32 (what transformers' loss returns), the rest dtype.
-        limits = {name: ERROR_FACTOR * err + ERROR_FLOOR[torch.float32 if name == "loss" else dtype]
-                  for name, err in baseline_errors.items()}
-        for provider, factory in factories.items():
+            case, missing = spec.make_case(tokens, dims, dtype, gen), None
+        except Exception as exc:  # e.g. out of memory at a size too large for this device
+            case, missing = None, f"failed: inputs: {_short(exc)}"
+            failures.append(f"{kernel} N={tokens}: {missing}")
+            print(f"  {kernel:<21} N={tokens:<6} {missing}")
+        # options (as JSON) -> (reference, rule provider's errors, limits), or why no provider can be checked
+        rules = {}
+        for provider in loadable:
+            key = json.dumps(provider.options, sort_keys=True)
+            if key not in rules:
+                rules[key] = missing or correctness_rule(spec, case, provider.options, dtype)
+                if isinstance(rules[key], Exception):
+                    rules[key] = f"failed: reference/{spec.rule_provider}: {_short(rules[key])}"
+                    failures.append(f"{kernel} N={tokens}{' ' + key if provider.options else ''}: {rules[key]}")
+                    print(f"  {kernel:<21} N={tokens:<6} {rules[key]}")
+            if isinstance(rules[key], str):
+                rows.append(dict(base_row(provider, rules[key]), tokens=tokens,
+                                 check=FAIL if provider.ours else UNCHECKED))
+                continue
+            ref, rule_errors, limits = rules[key]
             row_head = dict(base_row(provider, "ok"), tokens=tokens, shape=case.shape,
-                            what=None, error_baseline=baseline_errors, error_limit=limits)
+                            what=None, error_baseline=rule_errors, error_limit=limits)
             try:
-                fn = factory()
+                fn = provider.load(**provider.options)
                 err = errors_of(run_once(fn, case), ref)
                 passed = all(err[name] <= limits[name] for name in err)
-                row_head.update(error=err, check="pass" if passed else "FAIL")
-                if not passed and provider.startswith("ours"):
-                    failures.append(f"{kernel}/{provider} N={tokens}: error {err} above the limit {limits}")
+                row_head.update(error=err, check=check_label(provider, passed))
+                if not passed and provider.ours:
+                    failures.append(f"{kernel}/{provider.name} N={tokens}: error {err} above the limit {limits}")
                 row_head["peak_mb"] = peak_mb_above_inputs(fn, case)
                 phases, bwd_method, host = time_phases(fn, case, args.rep_ms, args.warmup_ms)
             except Exception as exc:  # a provider that breaks is a row, not a crash
                 if ON_GPU and isinstance(exc, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
-                row_head.update(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-                                check="FAIL")
+                row_head.update(status=f"failed: {_short(exc)}", check=FAIL if provider.ours else PEER_FAILED)
                 rows.append(row_head)
-                if provider.startswith("ours"):
-                    failures.append(f"{kernel}/{provider} N={tokens}: {row_head['status']}")
-                print(f"  {kernel:<21} {provider:<14} N={tokens:<6} {row_head['status']}")
+                if provider.ours:
+                    failures.append(f"{kernel}/{provider.name} N={tokens}: {row_head['status']}")
+                print(f"  {kernel:<21} {provider.name:<14} N={tokens:<6} {row_head['status']}")
                 continue
-            for phase in ("fwd", "bwd", "fwd+bwd"):
+            for phase in PHASES:
                 median, p20, p80 = phases[phase]
                 row = dict(row_head, what=f"{kernel} {phase}", phase=phase, median_ms=median, p20_ms=p20, p80_ms=p80,
-                           timing=bwd_method if phase == "bwd" else ("do_bench" if ON_GPU else "perf_counter"),
-                           host_ms=host.get(phase))
+                           timing=bwd_method if phase == "bwd" else timing_method(), host_ms=host.get(phase))
                 add_throughput(row, spec, phase, case.shape, itemsize, copy_gbps)
                 rows.append(row)
             worst = worst_output(err, limits)
-            print(f"  {kernel:<21} {provider:<14} N={tokens:<6} {row_head['check']:<4} (worst error {worst} "
+            print(f"  {kernel:<21} {provider.name:<14} N={tokens:<6} {row_head['check']:<4} (worst error {worst} "
                   f"{err[worst]:.1e}, limit {limits[worst]:.1e})  fwd+bwd {phases['fwd+bwd'][0]:.3f} ms")
-        del case, ref
+        del case, rules
         if ON_GPU:
             torch.cuda.empty_cache()
     return rows, failures
@@ -687,40 +817,38 @@ def worst_output(errors, limits):
 
 
 def add_throughput(row, spec, phase, shape, itemsize, copy_gbps):
+    """The phase's byte count, GB/s and % of copy (or FLOP count and TFLOP/s), with the formula, into the row."""
     seconds = row["median_ms"] * 1e-3
     usable = seconds > 0  # a derived backward can come out at (or below) zero
-    # The minimal byte count, and for SwiGLU also issue 8's count (its keys get the suffix "_issue8").
-    for key, suffix in (("bytes", ""), ("issue_bytes", "_issue8")):
-        formula = spec.get(key, {}).get(phase)
-        if formula:
-            n_bytes = formula[1](shape, itemsize)
-            gbps = n_bytes / seconds / 1e9 if usable else None
-            row.update({f"bytes_formula{suffix}": formula[0], f"bytes{suffix}": n_bytes, f"gbps{suffix}": gbps,
-                        f"pct_of_copy{suffix}": None if gbps is None else 100 * gbps / copy_gbps})
-    flops = spec.get("flops", {}).get(phase)
-    if flops:
-        n_flops = flops[1](shape)
-        row.update(flops_formula=flops[0], flops=n_flops, tflops=n_flops / seconds / 1e12 if usable else None)
+    count = spec.bytes.get(phase)
+    if count:
+        n_bytes = count.value(shape, itemsize)
+        gbps = n_bytes / seconds / 1e9 if usable else None
+        row.update(bytes_formula=count.formula, bytes=n_bytes, gbps=gbps,
+                   pct_of_copy=None if gbps is None else 100 * gbps / copy_gbps)
+    count = spec.flops.get(phase)
+    if count:
+        n_flops = count.value(shape, itemsize)
+        row.update(flops_formula=count.formula, flops=n_flops, tflops=n_flops / seconds / 1e12 if usable else None)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Output: tables, JSON, plots
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+# Output: tables, legends, plots
+# ----------------------------------------------------------------------------------------------------------------------
 def _fmt(value, spec=".3f"):
     return "-" if value is None else format(value, spec)
 
 
 def print_table(kernel, rows):
     spec = KERNELS[kernel]
-    baseline = spec["baseline"]
+    baseline = spec.rule_provider
     timed = [r for r in rows if r["kernel"] == kernel and r.get("phase")]
     by_key = {(r["provider"], r["tokens"], r["phase"]): r for r in timed}
     order = list(dict.fromkeys(r["provider"] for r in timed))
     keys = sorted({(r["tokens"], r["provider"]) for r in timed}, key=lambda k: (k[0], order.index(k[1])))
-    compute_bound = "flops" in spec
     table = []
     for tokens, provider in keys:
-        fwd, bwd, both = (by_key.get((provider, tokens, p), {}) for p in ("fwd", "bwd", "fwd+bwd"))
+        fwd, bwd, both = (by_key.get((provider, tokens, p), {}) for p in PHASES)
         base = by_key.get((baseline, tokens, "fwd+bwd"))
         speedup = base["median_ms"] / both["median_ms"] if base and both.get("median_ms") else None
         reduction = None
@@ -731,22 +859,20 @@ def print_table(kernel, rows):
         line = [provider, tokens, _fmt(fwd.get("median_ms")),
                 _fmt(bwd.get("median_ms")) + ("*" if bwd.get("timing", "").startswith("derived") else ""),
                 _fmt(both.get("median_ms")), _fmt(both.get("host_ms"))]
-        if compute_bound:
+        if spec.flops:
             line += [_fmt(both.get("tflops"), ".1f")]
-        else:
+        if spec.bytes:
             line += [_fmt(fwd.get("gbps"), ".0f"), _fmt(fwd.get("pct_of_copy"), ".1f"),
                      _fmt(both.get("gbps"), ".0f"), _fmt(both.get("pct_of_copy"), ".1f")]
-            if "issue_bytes" in spec:
-                line += [_fmt(both.get("pct_of_copy_issue8"), ".1f")]
         line += [_fmt(speedup, ".2f"), _fmt(both.get("peak_mb"), ".0f"), _fmt(reduction, ".0f"),
                  f"{worst} {err[worst]:.1e}", both["check"]]
         table.append(line)
     headers = ["provider", "tokens", "fwd ms", "bwd ms", "fwd+bwd ms", "f+b host ms"]
-    headers += (["fwd+bwd TFLOP/s"] if compute_bound else
-                ["fwd GB/s", "fwd % copy", "fwd+bwd GB/s", "fwd+bwd % copy"]
-                + (["f+b % copy (6NIs)"] if "issue_bytes" in spec else []))
+    headers += ["fwd+bwd TFLOP/s"] if spec.flops else []
+    headers += ["fwd GB/s", "fwd % copy", "fwd+bwd GB/s", "fwd+bwd % copy"] if spec.bytes else []
     headers += [f"speedup vs {baseline}", "peak MB", "mem. red. %", "max error", "check"]
-    print(f"\n=== {kernel} ({rows[0]['dtype'] if rows else ''}) ===")
+    dtype = next((r["dtype"] for r in rows if r["kernel"] == kernel), "")
+    print(f"\n=== {kernel} ({dtype}) ===")
     if table:
         print(tabulate(table, headers=headers, tablefmt="github"))
     for r in rows:
@@ -757,38 +883,48 @@ def print_table(kernel, rows):
 
 
 def legend(kernel, fixed_dims):
+    """How to read the kernel's table: what each column measured on this device, the kernel's own lines."""
     spec = KERNELS[kernel]
-    baseline = spec["baseline"]
-    lines = ["How to read this table:",
-             "  provider     the implementation (ours = this repo's kernel module; the JSON rows' notes say more)",
-             f"  tokens       N, the rows of the inputs ({fixed_dims}; dtype in the title)",
-             "  fwd ms       forward median (do_bench, L2 flushed; p20/p80 in the JSON)",
-             "  bwd ms       backward median on one fixed forward (retain_graph); * = derived as fwd+bwd - fwd "
-             "(0 if negative: noise) because that backward can run only once",
-             "  fwd+bwd ms   one training step of this op: forward then backward, the number to compare",
-             f"  f+b host ms  CPU time of one fwd+bwd call, the GPU left to run behind (median of {HOST_TIMED_CALLS} "
-             "calls back to back): close to fwd+bwd ms, the host (Python, autograd, launches) sets the time, not "
-             "the kernels"]
-    if "flops" in spec:
-        lines.append(f"  TFLOP/s      {spec['flops']['fwd+bwd'][0]} / fwd+bwd time (three matmuls); compute-bound: "
-                     "no GB/s")
+    baseline = spec.rule_provider
+    derived = "* = derived as fwd+bwd - fwd (0 if negative: noise) because that backward can run only once"
+    if ON_GPU:
+        timing = [("fwd ms", "forward median (do_bench, L2 flushed; p20/p80 in the JSON)"),
+                  ("bwd ms", f"backward median on one fixed forward (retain_graph); {derived}"),
+                  ("fwd+bwd ms", "one training step of this op: forward then backward, the number to compare"),
+                  ("f+b host ms", f"CPU time of one fwd+bwd call, the GPU left to run behind (median of "
+                                  f"{HOST_TIMED_CALLS} calls back to back): close to fwd+bwd ms, the host (Python, "
+                                  "autograd, launches) sets the time, not the kernels")]
+        copy = "the device-to-device copy measured in this run"
+        peak = [("peak MB", "peak memory of one fwd+bwd above the inputs (gradients included)"),
+                ("mem. red.", f"1 - peak / {baseline}'s peak, in %")]
     else:
-        formulas = ", ".join(f"{phase} {f[0]}" for phase, f in spec["bytes"].items())
-        lines += [f"  GB/s         minimal bytes / median time; bytes: {formulas} (s = bytes per element)",
-                  "  % copy       that GB/s as a percentage of the device-to-device copy measured in this run"]
-        if "issue_bytes" in spec:
-            lines.append("  (6NIs)       fwd+bwd % of copy with issue 8's count 6*N*I*s (ceiling 75 %, since the "
-                         "true minimum is 8*N*I*s)")
-        if kernel == "cross_entropy":
-            lines.append("               ours/ours_inplace/liger write the gradient in the forward: their fwd GB/s "
-                         "counts only N*V*s of the 2*N*V*s they move")
-    lines += [f"  speedup      {baseline}'s fwd+bwd time / this provider's (> 1 = faster)",
-              "  peak MB      peak memory of one fwd+bwd above the inputs (gradients included); - on CPU",
-              f"  mem. red.    1 - peak / {baseline}'s peak, in %",
-              "  max error    |got - ref| / |ref| (norms; float64 reference) of the output or gradient closest to "
-              "its limit",
-              f"  check        pass = every error <= {ERROR_FACTOR:g} x {baseline}'s error + a dtype floor; only "
-              "our providers' FAIL fails the run"]
+        timing = [("fwd ms", f"forward median of {CPU_TIMED_CALLS} time.perf_counter calls on the CPU, our kernels on "
+                             "the Triton interpreter (p20/p80 in the JSON): not meaningful"),
+                  ("bwd ms", f"backward on one fixed forward (retain_graph), timed the same way; {derived}"),
+                  ("fwd+bwd ms", "forward then backward, timed the same way"),
+                  ("f+b host ms", f"time.perf_counter of {HOST_TIMED_CALLS} more fwd+bwd call (no GPU runs behind: "
+                                  "the same as fwd+bwd ms)")]
+        copy = f"a {CPU_COPY_BYTES >> 20} MiB CPU copy timed the same way (not meaningful either)"
+        peak = [("peak MB", "- (not measured on the CPU)"), ("mem. red.", "- (not measured on the CPU)")]
+    entries = [("provider", "the implementation (ours = this repo's kernel module; the JSON rows' notes say more)"),
+               ("tokens", f"N, the rows of the inputs ({fixed_dims}; dtype in the title)"), *timing]
+    if spec.flops:
+        formulas = ", ".join(f"{phase} {count.formula}" for phase, count in spec.flops.items())
+        entries.append(("TFLOP/s", f"FLOPs / median time; FLOPs: {formulas}"))
+    if spec.bytes:
+        formulas = ", ".join(f"{phase} {count.formula}" for phase, count in spec.bytes.items())
+        entries += [("GB/s", f"minimal bytes / median time; bytes: {formulas} (s = bytes per element)"),
+                    ("% copy", f"that GB/s as a percentage of {copy}")]
+    entries += [("notes" if i == 0 else "", line) for i, line in enumerate(spec.legend)]
+    entries += [("speedup", f"{baseline}'s fwd+bwd time / this provider's (> 1 = faster)"), *peak,
+                ("max error", "|got - ref| / |ref| (norms; float64 reference) of the output or gradient closest to "
+                              "its limit"),
+                ("check", f"pass = every error <= {ERROR_FACTOR:g} x {baseline}'s error + a dtype floor; FAIL = one of "
+                          f"ours above it (fails the run); '{PEER_ABOVE}' = another provider above it, reported, not "
+                          "judged")]
+    lines = ["How to read this table:"]
+    for key, text in entries:
+        lines.append(textwrap.fill(text, width=118, initial_indent=f"  {key:<12} ", subsequent_indent=" " * 15))
     return "\n".join(lines)
 
 
@@ -797,10 +933,11 @@ def plot(kernel, rows, path, header):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    spec = KERNELS[kernel]
     timed = [r for r in rows if r["kernel"] == kernel and r.get("phase") == "fwd+bwd"]
     if not timed:
         return None
-    compute_bound = "flops" in KERNELS[kernel]
+    compute_bound = bool(spec.flops)
     with_memory = any(r.get("peak_mb") is not None for r in timed)  # no memory figures on the CPU
     fig, axes = plt.subplots(1, 3 if with_memory else 2, figsize=(18 if with_memory else 12, 4.5))
     ax_time, ax_rate = axes[:2]
@@ -818,11 +955,10 @@ def plot(kernel, rows, path, header):
             axes[2].plot(tokens, [np.nan if v is None else v for v in peak], marker="o", label=provider)
     ax_time.set(yscale="log", ylabel="fwd+bwd median (ms), bars p20-p80", title="latency")
     if compute_bound:
-        ax_rate.set(ylabel="TFLOP/s (6*N*H*V / time)", title="throughput")
+        ax_rate.set(ylabel=f"TFLOP/s ({spec.flops['fwd+bwd'].formula} / time)", title="throughput")
     else:
-        formula = KERNELS[kernel]["bytes"]["fwd+bwd"][0]
         ax_rate.axhline(100, color="gray", linestyle="--", linewidth=1)
-        ax_rate.set(ylabel=f"% of copy bandwidth (bytes {formula})",
+        ax_rate.set(ylabel=f"% of copy bandwidth (bytes {spec.bytes['fwd+bwd'].formula})",
                     title=f"bandwidth (100 % = copy, {header['copy_gbps']:.0f} GB/s)")
     if with_memory:
         axes[2].set(ylabel="peak MB above inputs (one fwd+bwd)", title="memory")
@@ -842,6 +978,9 @@ def plot(kernel, rows, path, header):
     return path
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The run: header, output paths, command line
+# ----------------------------------------------------------------------------------------------------------------------
 def versions():
     found = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
              "cuda": torch.version.cuda}
@@ -878,41 +1017,103 @@ def device_slug():
     return re.sub(r"[^a-z0-9]+", "_", device_name().lower().replace("nvidia", "")).strip("_")
 
 
+def _slug(text):
+    return re.sub(r"[^A-Za-z0-9.]+", "-", str(text)).strip("-")
+
+
+def default_out_path(kernels, args):
+    """runs/bench_<kernel or all>_<device>[_<dtype>][_n<tokens>][_<dim><value>][_<provider>+<provider>...]
+    [_chunk<sizes>][_seed<seed>].json: every choice that differs from the defaults is in the name."""
+    parts = ["bench", "all" if kernels == list(KERNELS) else "-".join(kernels), device_slug()]
+    if args.dtype != DEFAULT_DTYPE:
+        parts.append(args.dtype)
+    if args.tokens:
+        parts.append("n" + "-".join(map(str, args.tokens)))
+    parts += [f"{name.replace('_', '')}{getattr(args, name)}" for name in all_dims() if getattr(args, name)]
+    if args.providers:
+        parts.append("+".join(_slug(p) for p in args.providers))
+    if args.chunk_sizes:
+        parts.append("chunk" + "-".join(map(str, args.chunk_sizes)))
+    if args.seed:
+        parts.append(f"seed{args.seed}")
+    return RUNS_DIR / ("_".join(parts) + ".json")
+
+
+def png_path(json_path, kernel):
+    """<JSON path without .json>_<kernel>.png"""
+    return json_path.with_name(json_path.with_suffix("").name + f"_{kernel}.png")
+
+
+def shown(path):
+    """The path relative to the working directory when it lies below it (e.g. runs/...), else absolute."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def all_dims():
+    """Every dimension name of the registered kernels, with {kernel: (GPU default, CPU default)} each."""
+    dims = {}
+    for spec in KERNELS.values():
+        for name in spec.dims_gpu:
+            dims.setdefault(name, {})[spec.name] = (spec.dims_gpu[name], spec.dims_cpu[name])
+    return dims
+
+
+def registry_summary():
+    """The --help epilog: every registered kernel's sizes, dims, counts and providers."""
+    lines = ["kernels (from the registry; s = bytes per element, N = tokens):"]
+    for spec in KERNELS.values():
+        dims = ", ".join(f"{name} {value} (CPU {spec.dims_cpu[name]})" for name, value in spec.dims_gpu.items())
+        counts = "; ".join(f"{what} " + ", ".join(f"{phase} {c.formula}" for phase, c in table.items())
+                           for what, table in (("bytes", spec.bytes), ("FLOPs", spec.flops)) if table)
+        text = (f"GPU tokens {' '.join(map(str, spec.tokens_gpu))} (CPU {' '.join(map(str, spec.tokens_cpu))}); "
+                f"{dims}; {counts}; providers "
+                f"{', '.join(p.name for p in spec.providers)} (error rule: {spec.rule_provider})")
+        lines.append(textwrap.fill(text, width=118, initial_indent=f"  {spec.name:<21} ", subsequent_indent=" " * 24))
+    return "\n".join(lines)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option; the docstring and the kernel list printed as written."""
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--kernel", default="all", choices=[*KERNELS, "all"], help="which kernel to benchmark")
-    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the inputs")
-    gpu_tokens = "; ".join(f"{k} {' '.join(map(str, v))}" for k, v in GPU_TOKENS.items())
+    parser = argparse.ArgumentParser(description=__doc__, epilog=registry_summary(), formatter_class=_HelpFormatter)
+    parser.add_argument("--kernel", nargs="+", default=["all"], choices=[*KERNELS, "all"], metavar="KERNEL",
+                        help=f"which kernel(s) to benchmark: {', '.join(KERNELS)} or all")
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES), help="dtype of the inputs")
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
-                        help=f"token counts N (rows) for every selected kernel; None = per kernel: "
-                             f"on GPU {gpu_tokens}; on CPU {' '.join(map(str, CPU_TOKENS['rmsnorm']))}")
-    for name, what in (("hidden", "hidden size H (rmsnorm, linear_cross_entropy)"), ("vocab", "vocabulary V"),
-                       ("intermediate", "intermediate size I (swiglu)"), ("heads", "query heads Hq (rope)"),
-                       ("kv_heads", "key/value heads Hk (rope)"), ("head_dim", "head dimension D (rope)")):
+                        help="token counts N (rows) for every selected kernel; None = each kernel's GPU or CPU tokens "
+                             "(listed below)")
+    for name, defaults in all_dims().items():
+        per_kernel = ", ".join(f"{kernel} {gpu} (CPU {cpu})" for kernel, (gpu, cpu) in defaults.items())
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                            help=f"{what}; None = {GPU_DIMS[name]} on GPU, {CPU_DIMS[name]} on CPU")
+                            help=f"{name} for every kernel that has it; None = {per_kernel}")
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=None,
-                        help="linear_cross_entropy: also time ours with these explicit chunk_size values")
+                        help="linear_cross_entropy: also time ours with these explicit chunk_size values "
+                             "(providers ours_chunk<C>)")
     parser.add_argument("--providers", nargs="+", default=None,
-                        help="only these providers (ours ours_inplace ours_chunk<C> eager torch_fp32 torch_bf16 "
-                             "torch_compile liger cce); the baseline still runs for the correctness rule")
+                        help="only these providers (names as in the list below); the rule provider still runs for "
+                             "the correctness rule")
     parser.add_argument("--out", default=None,
-                        help="JSON path; None = results/bench_<kernel>_<gpu or cpu>.json next to this script")
-    parser.add_argument("--plot", nargs="?", const="", default=None, metavar="PREFIX",
-                        help="write one PNG per kernel, PREFIX_<kernel>.png; bare --plot = the JSON path without .json")
+                        help="JSON path; '{kernel}' in it writes one file per kernel (e.g. "
+                             "results/bench_{kernel}_h200.json). None = runs/bench_<kernel or all>_<device>[_<dtype>]"
+                             "[_n<tokens>]...json (git-ignored; the name lists every option that differs from the "
+                             "defaults)")
+    parser.add_argument("--plot", action="store_true",
+                        help="also write one PNG per kernel, named after the JSON path: <JSON path without "
+                             ".json>_<kernel>.png")
     parser.add_argument("--copy-gib", type=float, default=2.0, help="GPU copy-bandwidth buffer size (GiB)")
     parser.add_argument("--rep-ms", type=float, default=100, help="do_bench rep (ms of timed calls, per phase)")
     parser.add_argument("--warmup-ms", type=float, default=25, help="do_bench warmup (ms)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (the size is added: fresh data per size)")
     args = parser.parse_args(argv)
-    for name, value in (GPU_DIMS if ON_GPU else CPU_DIMS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args.kernel = list(KERNELS) if "all" in args.kernel else list(dict.fromkeys(args.kernel))
     if args.providers:
-        known = set()
-        for kernel in KERNELS:
-            known |= set(providers_for(kernel, args))
+        known = {p.name for spec in KERNELS.values() for p in spec.providers_for(args)}
         unknown = sorted(set(args.providers) - known)
         if unknown:
             parser.error(f"unknown provider(s) {unknown}; known: {sorted(known)}")
@@ -921,8 +1122,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    kernels = list(KERNELS) if args.kernel == "all" else [args.kernel]
-    out_path = Path(args.out) if args.out else REPO / "results" / f"bench_{args.kernel}_{device_slug()}.json"
+    kernels = args.kernel
+    if args.out and "{kernel}" in args.out:
+        out_paths = {kernel: Path(args.out.replace("{kernel}", kernel)) for kernel in kernels}
+    else:
+        single = Path(args.out) if args.out else default_out_path(kernels, args)
+        out_paths = {kernel: single for kernel in kernels}
     if ON_GPU:
         # torch.compile's AOTAutograd "donates" saved buffers to the backward, which then refuses retain_graph=True
         # (needed to time the backward alone). Off for the compiled providers; it changes memory reuse, not kernels.
@@ -934,15 +1139,17 @@ def main(argv=None):
         print("No CUDA device: Triton kernels run on the CPU interpreter at toy sizes; the times below are "
               "interpreter times and NOT meaningful (the correctness checks are).")
 
+    started = time.perf_counter()
     commit, dirty = git_state()
     copy_gbps, copy_bytes = measure_copy_bandwidth(args.copy_gib)
+    command = shlex.join([Path(sys.executable).name, Path(__file__).name,
+                          *(sys.argv[1:] if argv is None else argv)])
     header = {"gpu": device_name(), "copy_gbps": copy_gbps, "copy_bytes_each_way": copy_bytes,
-              "versions": versions(), "git_commit": commit, "git_dirty": dirty,
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "date":
-              datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "dtype": args.dtype, "dims": {k: getattr(args, k) for k in GPU_DIMS},
+              "versions": versions(), "git_commit": commit, "git_dirty": dirty, "command": command, "date":
+              datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype,
               "timing": "triton.testing.do_bench median/p20/p80, L2 flushed, grads reset" if ON_GPU else
-              "time.perf_counter on the Triton CPU interpreter: NOT meaningful",
+              f"time.perf_counter over {CPU_TIMED_CALLS} calls on the CPU, our kernels on the Triton interpreter: "
+              "NOT meaningful",
               "error_rule": f"error <= {ERROR_FACTOR} * baseline error + floor "
                             + str({str(k).replace("torch.", ""): v for k, v in ERROR_FLOOR.items()}),
               "notes": ["torch._functorch.config.donated_buffer=False (so compiled backwards accept retain_graph)"]
@@ -952,29 +1159,36 @@ def main(argv=None):
           f"transformers {header['versions']['transformers']}, liger {header['versions']['liger']}, "
           f"cce {header['versions']['cce']} | commit {commit}{' (dirty)' if dirty else ''} | {args.dtype}")
 
-    rows, failures = [], []
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    for done, kernel in enumerate(kernels, start=1):
-        kernel_rows, kernel_failures = benchmark_kernel(kernel, args, copy_gbps)
-        rows += kernel_rows
-        failures += kernel_failures
-        # Written after every kernel, so a run cut short (time limit, crash) still leaves its finished kernels.
-        out_path.write_text(json.dumps({**header, "complete": done == len(kernels), "passed": not failures,
-                                        "failures": failures, "rows": rows}, indent=1))
+    rows, failures = {}, {}
     for kernel in kernels:
-        print_table(kernel, rows)
-    print(f"\nwrote {out_path}")
-    if args.plot is not None:
-        prefix = args.plot or str(out_path.with_suffix(""))
-        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        rows[kernel], failures[kernel] = benchmark_kernel(kernel, args, copy_gbps)
+        # Written after every kernel, so a run cut short (time limit, crash) still leaves its finished kernels.
+        for path in dict.fromkeys(out_paths.values()):
+            mine = [k for k in kernels if out_paths[k] == path]
+            done = [k for k in mine if k in rows]
+            file_failures = [f for k in done for f in failures[k]]
+            dims = {name: value for k in mine for name, value in kernel_dims(KERNELS[k], args).items()}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**header, "kernels": mine, "dims": dims, "complete": done == mine,
+                                        "elapsed_s": round(time.perf_counter() - started, 1),
+                                        "passed": not file_failures, "failures": file_failures,
+                                        "rows": [r for k in done for r in rows[k]]}, indent=1))
+    all_rows = [r for kernel in kernels for r in rows[kernel]]
+    all_failures = [f for kernel in kernels for f in failures[kernel]]
+    for kernel in kernels:
+        print_table(kernel, all_rows)
+    print()
+    for path in dict.fromkeys(out_paths.values()):
+        print(f"wrote {shown(path)}")
+    if args.plot:
         for kernel in kernels:
-            written = plot(kernel, rows, f"{prefix}_{kernel}.png", header)
+            written = plot(kernel, all_rows, png_path(out_paths[kernel], kernel), header)
             if written:
-                print(f"wrote {written}")
+                print(f"wrote {shown(written)}")
 
-    print("\nSUMMARY: " + ("all correctness checks of our kernels PASSED" if not failures else
-                           f"{len(failures)} FAILED:\n  " + "\n  ".join(failures)))
-    return 0 if not failures else 1
+    print("\nSUMMARY: " + ("all correctness checks of our kernels PASSED" if not all_failures else
+                           f"{len(all_failures)} FAILED:\n  " + "\n  ".join(all_failures)))
+    return 0 if not all_failures else 1
 
 
 if __name__ == "__main__":
