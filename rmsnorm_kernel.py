@@ -1,167 +1,207 @@
-"""Fused RMSNorm in Triton: a drop-in replacement for transformers' LlamaRMSNorm.
+"""Fused RMSNorm in Triton: a drop-in replacement for transformers' LlamaRMSNorm. Read this kernel file first.
 
 What it computes
 ----------------
-For every row x of length H (the hidden size), exactly as LlamaRMSNorm does it:
+For each row x of length H (the hidden size), in LlamaRMSNorm's order: upcast, normalize, round BACK to x's dtype,
+and only then multiply by the weight (the output dtype is PyTorch's promotion of weight and x):
+    rstd = 1 / sqrt(mean(x.float() ** 2) + eps)    normed = (x.float() * rstd).to(x.dtype)    y = weight * normed
+Backward, with n = x.float() * rstd and g = dy * weight (the gradient reaching `normed`):
+    dx = rstd * (g - n * mean(g * n))  per row;    dw = sum over all rows of dy * normed
 
-    x32    = x.to(float32)                                # upcast
-    rstd   = 1 / sqrt(mean(x32 ** 2) + eps)               # one number per row
-    normed = (x32 * rstd).to(x.dtype)                     # cast BACK to the input dtype ...
-    y      = weight * normed                              # ... and only then multiply by the weight
+Bytes it must move
+------------------
+Unfused, PyTorch runs pow, mean, add, rsqrt, mul, cast and mul as separate kernels, each a trip of a [rows, H] tensor
+through memory; at ~4 FLOPs per byte, memory traffic sets the time. Fused, the minimum is what remains: the forward
+reads x and writes y (2 * rows * H elements), the backward reads x and dy and writes dx (3 * rows * H). The weight,
+one fp32 rstd per row and a few rows of fp32 partial sums for dw are small next to that.
 
-The cast order matters: in bf16 the weight multiplies the *rounded* normalized values, so a kernel that multiplies
-in fp32 and rounds once gives (slightly) different numbers from the model it replaces. The output dtype is what
-PyTorch's type promotion gives for `weight * normed` (bf16 weight and bf16 input -> bf16; fp32 weight -> fp32).
-
-Backward, with g = dy * weight (the gradient reaching `normed`) and n = x32 * rstd:
-
-    dx = rstd * (g - n * mean(g * n))                     # per row
-    dw = sum over rows of dy * normed                     # a reduction over ALL rows
-
-Why fuse: bytes moved
----------------------
-Unfused, PyTorch runs pow, mean, add, rsqrt, mul, to, mul as separate kernels: each reads and/or writes a full
-[rows, H] tensor, about five round trips through memory per row in the forward pass alone, and autograd saves the
-intermediates for the backward. RMSNorm does ~4 FLOPs per byte, so its time is set by memory traffic, not by
-arithmetic. The fused kernels move the minimum:
-
-    forward : read x, write y                    -> 2 * rows * H * bytes_per_element
-    backward: read x and dy, write dx            -> 3 * rows * H * bytes_per_element
-    (weight, the per-row rstd and the small dw partial sums are a rounding error next to that)
-
-The weight gradient: per-program partial sums
----------------------------------------------
-dw sums over every row. Writing dy * normed to an fp32 [rows, H] buffer and summing it with torch (what the original
-playbook does) costs an extra 8 bytes per element. Instead the backward kernel runs a fixed number of programs
-("persistent" programs, one per streaming multiprocessor); each walks over its share of the rows and keeps its own
-running fp32 sum in registers, writing ONE row of partial sums at the end. torch then adds those few rows. The
-result is deterministic: the same rows always go to the same program in the same order.
+Triton concepts introduced here
+-------------------------------
+- A kernel runs as many programs at once; tl.program_id(0) says which one this is, the grid (`kernel[grid](...)`)
+  how many there are.
+- tl.arange(0, BLOCK) is a block of indices (BLOCK a power of two); a mask switches off those past the row's end.
+- Pointer arithmetic: element (r, c) of a [rows, H] tensor lives at ptr + r * row_stride + c; the offsets are int64,
+  since rows * H can pass 2**31.
+- tl.load(ptrs, mask=, other=) / tl.store(ptrs, values, mask=): masked lanes read `other` and write nothing.
+- tl.constexpr parameters are compile-time constants (block shapes); each new value compiles a new kernel.
+- Reductions: tl.sum(block, axis=1) sums each row of a 2-D block.
+- num_warps: how many groups of 32 GPU threads run one program.
+- Persistent programs: the backward runs one program per multiprocessor, each looping over many row blocks with
+  tl.range(..., num_stages=3), which loads the next block while the current one is computed.
 
 Limits
 ------
-The whole row lives in registers, so the hidden size is capped at MAX_HIDDEN_SIZE (65536; LLaMA-3.1-8B uses 4096,
-70B 8192). Any number of leading dimensions, hidden sizes that are not powers of two, fp32 / bf16 / fp16, strided
-(non-contiguous) inputs and upstream gradients, and empty inputs are supported. Offsets are computed in int64, so
-rows * H may exceed 2**31.
-
-Without a GPU the same kernels run on Triton's CPU interpreter (slow; for learning and CI at toy sizes).
+A whole row lives in one program's registers: H <= MAX_HIDDEN_SIZE (65536; LLaMA-3.1-8B uses 4096). x is fp32, bf16 or
+fp16 with any leading dimensions, strided (non-contiguous) or empty; eps is a finite number >= 0. Without a GPU the
+same kernels run on Triton's CPU interpreter (slow: toy sizes).
 """
 import os
 import sys
 
 import torch
-from torch import nn
 
-# The interpreter flag is read when a kernel is decorated with @triton.jit, so it must be set before that happens.
+# Without a GPU the kernels run on Triton's CPU interpreter. Triton reads TRITON_INTERPRET when @triton.jit decorates a
+# function, so it is set before `import triton`; the first kernel module imported prints the one-line notice.
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
     print("No CUDA device: Triton kernels run on the CPU interpreter (toy sizes; times are not meaningful).",
           file=sys.stderr)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-import triton
-import triton.language as tl
-
-MAX_HIDDEN_SIZE = 65536
-ON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+# The one device rule: the kernels run on the GPU when there is one, on the CPU interpreter otherwise.
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+KERNEL_DEVICE = "cpu" if INTERPRETER else "cuda"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Kernels
-# ---------------------------------------------------------------------------------------------------------------------
+def _check_device(who, name, tensor):
+    """Raise a clear error unless `tensor` lives where the kernels run."""
+    if tensor.device.type != KERNEL_DEVICE:
+        raise ValueError(f"{who}: {name} is on {tensor.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
+                         f"move it to {KERNEL_DEVICE}")
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """x (fp32) cast to `dtype`, rounding to nearest even as the GPU does. Triton's CPU interpreter truncates
+    fp32 -> bf16 instead, so there the rounding is done on the bits first: adding 0x7FFF, plus 1 when the last kept
+    bit is odd (ties to even), carries into the upper 16 bits exactly when rounding up; the truncating cast then keeps
+    them. fp16 casts already round there, and on the GPU this is a plain cast."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = (bits + 0x7FFF + ((bits >> 16) & 1)).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+__all__ = ["MAX_HIDDEN_SIZE", "rmsnorm_forward", "rmsnorm_backward", "RMSNormFunction", "rms_norm", "TritonRMSNorm",
+           "replace_rmsnorm"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 1. Kernels
+# ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _rmsnorm_forward_kernel(
-    x_ptr, weight_ptr, y_ptr, rstd_ptr,
-    x_row_stride, y_row_stride,
-    n_rows, n_cols, eps,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    x_ptr,          # input rows [n_rows, n_cols], unit stride along a row; fp32, bf16 or fp16
+    weight_ptr,     # [n_cols]
+    y_ptr,          # output rows [n_rows, n_cols], in PyTorch's promotion of the weight and x dtypes
+    rstd_ptr,       # [n_rows] fp32: 1 / rms of each row, saved for the backward
+    x_row_stride,   # elements from one row of x to the next (more than n_cols when x is a slice of a wider tensor)
+    y_row_stride,   # the same for y
+    n_rows,         # rows in this launch
+    n_cols,         # the hidden size H
+    eps,            # added to the mean square before the square root
+    BLOCK_ROWS: tl.constexpr,  # rows per program
+    BLOCK_COLS: tl.constexpr,  # n_cols rounded up to a power of two (block shapes must be powers of two)
 ):
-    # Each program normalizes BLOCK_ROWS whole rows. BLOCK_COLS is the hidden size rounded up to a power of two
-    # (Triton block shapes must be powers of two); the mask switches off the padding columns.
+    # Program p normalizes rows p * BLOCK_ROWS ... p * BLOCK_ROWS + BLOCK_ROWS - 1, each row whole.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
-    row_mask = rows < n_rows
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
+    row_mask = rows < n_rows  # the last program may run past the last row
+    col_mask = cols < n_cols  # the padding columns up to BLOCK_COLS
+    mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_ROWS, BLOCK_COLS] by broadcasting, as in torch
     # int64 before multiplying by the stride: rows * H passes 2**31 at 524288 tokens of a 4096-wide model.
     rows = rows.to(tl.int64)
 
-    # Masked-off elements load as 0, so they add nothing to the sum of squares.
+    # A [BLOCK_ROWS, BLOCK_COLS] block of pointers. Masked-off elements load as 0, so they add nothing to the sum of
+    # squares. The math runs in fp32 whatever the input dtype.
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # Divide by the true hidden size, not BLOCK_COLS.
     mean_square = tl.sum(x * x, axis=1) / n_cols
     rstd = tl.rsqrt(mean_square + eps)
 
-    # LlamaRMSNorm's cast order: normalize in fp32, round to the input dtype, THEN multiply by the weight.
-    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty)
+    # LlamaRMSNorm's cast order: normalize in fp32, round to the input dtype, THEN multiply by the weight. In bf16 the
+    # weight multiplies the rounded values, so multiplying in fp32 and rounding once would give different bits.
+    normed = _round_to(x * rstd[:, None], x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
     y = weight.to(tl.float32)[None, :] * normed.to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], _round_to(y, y_ptr.dtype.element_ty), mask=mask)
     # One fp32 per row saved for the backward pass, so it need not recompute the sum of squares.
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+# The weight gradient sums over ALL rows. Writing dy * normed to an fp32 [rows, H] buffer and summing it with torch
+# costs 8 more bytes per element. Instead a fixed number of "persistent" programs each walk over a share of the rows,
+# keep a running fp32 sum in registers and write ONE row of partial sums at the end; torch adds those few rows. The
+# same rows always go to the same program in the same order, so dw is deterministic.
 @triton.jit
 def _rmsnorm_backward_kernel(
-    dy_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
-    dy_row_stride, x_row_stride, dx_row_stride,
-    n_rows, n_cols,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    dy_ptr,          # upstream gradient rows [n_rows, n_cols], unit stride along a row
+    x_ptr,           # the forward's input rows
+    weight_ptr,      # [n_cols]
+    rstd_ptr,        # [n_rows] fp32, from the forward
+    dx_ptr,          # output rows [n_rows, n_cols], in x's dtype
+    dw_partial_ptr,  # output [number of programs, n_cols] fp32: one row of partial weight-gradient sums per program
+    dy_row_stride,   # each tensor has its own row stride: the upstream gradient need not be laid out like x
+    x_row_stride,
+    dx_row_stride,
+    n_rows,          # rows in this launch
+    n_cols,          # the hidden size H
+    BLOCK_ROWS: tl.constexpr,  # rows per loop step
+    BLOCK_COLS: tl.constexpr,  # n_cols rounded up to a power of two
+    NUM_STAGES: tl.constexpr,  # row blocks in flight: loads of the next ones overlap the math on this one
 ):
-    # A fixed number of programs ("persistent"): program p handles row blocks p, p + P, p + 2P, ... and keeps a running
-    # fp32 sum of its rows' weight gradient in registers.
+    # Program p handles row blocks p, p + P, p + 2P, ... (P programs in the grid).
     program = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
+    # Loaded once per program, reused for every row block it handles.
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
 
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
-    # num_stages lets the compiler start loading the next row block while this one is being computed.
+    # tl.range is range() with pipelining hints: num_stages lets the compiler start loading the next row blocks while
+    # this one is being computed.
     for row_block in tl.range(program, n_row_blocks, n_programs, num_stages=NUM_STAGES):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         rows = rows.to(tl.int64)
 
-        # Each tensor is read with ITS OWN row stride: the upstream gradient need not be laid out like x.
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
 
         normed = x * rstd[:, None]
         # The forward pass multiplied the weight by the ROUNDED normalized values; its gradient sees those too.
-        dw_acc += dy * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+        dw_acc += dy * _round_to(normed, x_ptr.dtype.element_ty).to(tl.float32)
 
         # dx = rstd * (g - n * mean(g * n)): the second term is the gradient flowing through rstd's dependence on x.
         dnormed = dy * weight[None, :]
         mean_dnormed_normed = tl.sum(dnormed * normed, axis=1) / n_cols
         dx = (dnormed - normed * mean_dnormed_normed[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], _round_to(dx, dx_ptr.dtype.element_ty),
+                 mask=mask)
 
     # One row of fp32 partial sums per program; the launcher adds the rows.
     dw_partial = tl.sum(dw_acc, axis=0)
     tl.store(dw_partial_ptr + program.to(tl.int64) * n_cols + cols, dw_partial, mask=col_mask)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Launchers: validate, flatten to [rows, H], pick block sizes, allocate, launch
-# ---------------------------------------------------------------------------------------------------------------------
-def _kernel_device_check(name, tensor):
-    """The kernels run where Triton runs: on the GPU when there is one, on the CPU interpreter otherwise."""
-    expected = "cpu" if ON_INTERPRETER else "cuda"
-    if tensor.device.type != expected:
-        raise ValueError(f"rms_norm: {name} is on {tensor.device}, but the Triton kernels run on {expected} here; "
-                         f"move the tensors to {expected}")
+# ----------------------------------------------------------------------------------------------------------------------
+# 2. Launchers
+# ----------------------------------------------------------------------------------------------------------------------
+# A whole row lives in one program's registers (LLaMA-3.1-8B: 4096, 70B: 8192).
+MAX_HIDDEN_SIZE = 65536
 
 
-def _validate(x, weight):
+def _check_eps(who, eps):
+    """eps must be a real number, finite and >= 0 (0 is allowed; LLaMA uses 1e-5). A negative eps gives NaN rows."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{who}: eps must be a float, got {type(eps).__name__}")
+    if not 0 <= eps < float("inf"):  # also False for NaN
+        raise ValueError(f"{who}: eps must be a finite number >= 0 (LLaMA uses 1e-5), got {eps}")
+
+
+def _validate(x, weight, eps):
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("rms_norm: x and weight must be torch.Tensors")
     if not x.is_floating_point() or not weight.is_floating_point():
         raise TypeError(f"rms_norm: x and weight must be floating point, got x {x.dtype} and weight {weight.dtype}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"rms_norm: x must be float32, bfloat16 or float16, got {x.dtype}")
+    _check_eps("rms_norm", eps)
     if x.dim() == 0:
         raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -172,7 +212,7 @@ def _validate(x, weight):
                          f"(a whole row must fit in one program's registers)")
     if x.device != weight.device:
         raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
-    _kernel_device_check("x", x)
+    _check_device("rms_norm", "x", x)
 
 
 def _as_rows(t):
@@ -184,87 +224,81 @@ def _as_rows(t):
 def _forward_config(n_cols):
     """(BLOCK_ROWS, BLOCK_COLS, num_warps) for the forward kernel."""
     block_cols = triton.next_power_of_2(n_cols)
-    if ON_INTERPRETER:
+    if INTERPRETER:
         # The interpreter pays ~1 ms per program: give each program many rows.
         return max(1, 16384 // block_cols), block_cols, 1
-    # ~16K elements per program, 16 per thread. Measured on an H200 (H=4096 bf16, 65536 rows): 4 rows x 16 warps
-    # reached 98% of copy bandwidth, 1 row x 8 warps 96%, 1 row x 16 warps 90%.
+    # ~16K elements per program, 32 per thread (4 rows x 16 warps at H=4096; measured on an H200, see results/NOTES.md).
     block_rows = max(1, 16384 // block_cols)
     num_warps = min(32, max(4, block_rows * block_cols // 1024))
     return block_rows, block_cols, num_warps
 
 
 def _backward_config(n_cols):
-    """(BLOCK_ROWS, BLOCK_COLS, num_warps, num_stages, programs_per_sm) for the backward kernel."""
+    """(BLOCK_ROWS, BLOCK_COLS, num_warps, num_stages) for the backward kernel."""
     block_cols = triton.next_power_of_2(n_cols)
-    if ON_INTERPRETER:
-        return max(1, 16384 // block_cols), block_cols, 1, 1, None
-    # ~8K elements per loop step, 32 per thread, 3 pipeline stages, one persistent program per multiprocessor.
-    # Measured on an H200 (H=4096 bf16, 65536 rows, 72 configurations): this one reached 96% of copy bandwidth;
-    # without software pipelining (1 stage) the same shape reached 69%, with 2 stages 70%.
+    if INTERPRETER:
+        return max(1, 16384 // block_cols), block_cols, 1, 1
+    # ~8K elements per loop step, 32 per thread, 3 pipeline stages (2 rows x 8 warps at H=4096; measured on an H200,
+    # see results/NOTES.md).
     block_rows = max(1, 8192 // block_cols)
     num_warps = min(32, max(4, block_rows * block_cols // 1024))
-    return block_rows, block_cols, num_warps, 3, 1
+    return block_rows, block_cols, num_warps, 3
 
 
-def rmsnorm_forward(x, weight, eps, block_rows=None, num_warps=None):
-    """Launch the forward kernel. Returns (y, rstd) with y shaped like x and rstd one fp32 per row.
-
-    block_rows / num_warps override the heuristic (for tuning sweeps)."""
-    _validate(x, weight)
+def rmsnorm_forward(x, weight, eps):
+    """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row."""
+    _validate(x, weight, eps)
     x_rows = _as_rows(x)
     n_rows, n_cols = x_rows.shape
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)  # what `weight * normed` gives in LlamaRMSNorm
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0:
-        auto_rows, block_cols, auto_warps = _forward_config(n_cols)
-        block_rows = block_rows or auto_rows
+        block_rows, block_cols, num_warps = _forward_config(n_cols)
+        # The grid: one program per block of rows.
         _rmsnorm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
             x_rows, weight, y, rstd,
             x_rows.stride(0), y.stride(0),
             n_rows, n_cols, eps,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps or auto_warps,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
         )
     return y.view(x.shape), rstd
 
 
-def rmsnorm_backward(dy, x, weight, rstd, block_rows=None, num_warps=None, num_stages=None, programs_per_sm=None):
-    """Launch the backward kernel. Returns (dx, dw). The keyword overrides are for tuning sweeps."""
+def rmsnorm_backward(dy, x, weight, rstd):
+    """Launch the backward kernel. Returns (dx, dw)."""
     if dy.shape != x.shape:
-        raise ValueError(f"rms_norm backward: gradient of shape {tuple(dy.shape)} for an input of shape {tuple(x.shape)}")
+        raise ValueError(f"rmsnorm_backward: dy of shape {tuple(dy.shape)} does not match x of shape {tuple(x.shape)}")
     x_rows = _as_rows(x)
     dy_rows = _as_rows(dy)
     n_rows, n_cols = x_rows.shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx.view(x.shape), torch.zeros_like(weight)
-    auto_rows, block_cols, auto_warps, auto_stages, auto_programs_per_sm = _backward_config(n_cols)
-    block_rows = block_rows or auto_rows
+    block_rows, block_cols, num_warps, num_stages = _backward_config(n_cols)
     n_row_blocks = triton.cdiv(n_rows, block_rows)
-    if ON_INTERPRETER:
+    if INTERPRETER:
         n_programs = min(4, n_row_blocks)
     else:
-        # Enough programs to fill every multiprocessor a few times over, no more: each extra program costs one
+        # One persistent program per multiprocessor: enough to fill the GPU, and each extra program would cost one
         # more row of partial sums to write and add.
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
-        n_programs = min(n_row_blocks, (programs_per_sm or auto_programs_per_sm) * sm_count)
+        n_programs = min(n_row_blocks, sm_count)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     _rmsnorm_backward_kernel[(n_programs,)](
         dy_rows, x_rows, weight, rstd, dx, dw_partial,
         dy_rows.stride(0), x_rows.stride(0), dx.stride(0),
         n_rows, n_cols,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages or auto_stages,
-        num_warps=num_warps or auto_warps,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     # A [n_programs, H] fp32 sum: a few MB at most, and deterministic.
     dw = dw_partial.sum(dim=0).to(weight.dtype)
     return dx.view(x.shape), dw
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Autograd Function, functional API and module
-# ---------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+# 3. Autograd Function, functional API, module, model patching
+# ----------------------------------------------------------------------------------------------------------------------
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -285,12 +319,13 @@ def rms_norm(x, weight, eps=1e-6):
     return RMSNormFunction.apply(x, weight, eps)
 
 
-class TritonRMSNorm(nn.Module):
+class TritonRMSNorm(torch.nn.Module):
     """Drop-in replacement for transformers' LlamaRMSNorm, backed by the fused Triton kernels."""
 
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        _check_eps("TritonRMSNorm", eps)
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
     @classmethod
@@ -301,11 +336,12 @@ class TritonRMSNorm(nn.Module):
         the one tensor the rest of the program already knows."""
         weight = getattr(module, "weight", None)
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None:
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or eps is None:
             raise TypeError(f"from_llama_rmsnorm: {type(module).__name__} has no 1-D weight Parameter and epsilon; "
                             f"expected a LlamaRMSNorm-like module")
+        _check_eps("from_llama_rmsnorm", eps)
         new = cls.__new__(cls)
-        nn.Module.__init__(new)
+        torch.nn.Module.__init__(new)
         new.weight = weight
         new.variance_epsilon = eps
         return new
@@ -338,3 +374,63 @@ def replace_rmsnorm(model, expected=None):
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name, TritonRMSNorm.from_llama_rmsnorm(module))
     return len(targets)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 4. Run as a script
+# ----------------------------------------------------------------------------------------------------------------------
+def main(argv=None):
+    """One forward+backward on random inputs against LlamaRMSNorm's math in float64; one line; exit code 0/1."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=37 if INTERPRETER else 4 * 512,
+                        help="rows (tokens); default 37 on the CPU interpreter, 2048 (4x512) on a GPU")
+    parser.add_argument("--hidden", type=int, default=1000 if INTERPRETER else 4096,
+                        help="hidden size H; default 1000 on the CPU interpreter, 4096 (LLaMA-3.1-8B) on a GPU")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16",
+                        help="dtype of x and weight (default bf16)")
+    parser.add_argument("--eps", type=float, default=1e-5, help="epsilon (default 1e-5, LLaMA-3.1's)")
+    args = parser.parse_args(argv)
+    if not (args.rows >= 1 and 1 <= args.hidden <= MAX_HIDDEN_SIZE and 0 <= args.eps < float("inf")):
+        parser.error(f"need --rows >= 1, 1 <= --hidden <= {MAX_HIDDEN_SIZE} and a finite --eps >= 0")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+
+    x = torch.randn(args.rows, args.hidden, device=KERNEL_DEVICE).to(dtype)
+    weight = (1.0 + 0.5 * torch.randn(args.hidden, device=KERNEL_DEVICE)).to(dtype)  # random: ones hide bugs
+    dy = torch.randn(args.rows, args.hidden, device=KERNEL_DEVICE).to(dtype)
+
+    def run(norm, cast):
+        xc, wc = cast(x).requires_grad_(), cast(weight).requires_grad_()
+        y = norm(xc, wc)
+        y.backward(cast(dy))
+        return y.detach(), xc.grad, wc.grad
+
+    def llama_math(x_, w_):  # transformers' LlamaRMSNorm.forward, written out
+        hidden = x_.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + args.eps)
+        return w_ * hidden.to(x_.dtype)
+
+    reference = run(lambda x_, w_: w_ * (x_ * torch.rsqrt(x_.pow(2).mean(-1, keepdim=True) + args.eps)),
+                    lambda t: t.detach().double())
+    ours = run(lambda x_, w_: rms_norm(x_, w_, args.eps), lambda t: t.detach().clone())
+    torchs = run(llama_math, lambda t: t.detach().clone())
+
+    def rel_error(a, b):
+        return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    # The tests' rule: no worse than PyTorch in the same dtype times 1.5, plus a small floor.
+    floor = {torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]
+    ok, parts = True, []
+    for name, a, b, ref in zip(("y", "dx", "dw"), ours, torchs, reference):
+        ours_err, torch_err = rel_error(a, ref), rel_error(b, ref)
+        ok &= ours_err <= 1.5 * torch_err + floor
+        parts.append(f"{name} {ours_err:.2e} (PyTorch {torch_err:.2e})")
+    where = "CPU interpreter" if INTERPRETER else torch.cuda.get_device_name()
+    print(f"rms_norm {args.rows}x{args.hidden} {args.dtype} on {where}, relative error vs float64: "
+          f"{', '.join(parts)}: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
