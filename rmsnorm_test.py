@@ -216,14 +216,9 @@ def _round_to_cases():
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's numpy cast to inf
 @pytest.mark.parametrize("case", ["regular", "zeros_subnormals"])
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
-def test_round_to_rounds_like_torch(dtype_name, case, request):
+def test_round_to_rounds_like_torch(dtype_name, case):
     # The kernels' fp32 -> 16-bit casts equal torch's (round to nearest even) bit for bit, on the GPU and on the
     # interpreter, so CPU runs show the GPU's numerics.
-    if ON_CPU and dtype_name == "bf16" and case == "zeros_subnormals":
-        # Known: the helper adds 0x7FFF to +-0 and to fp32 subnormals, and the interpreter's own fp32 -> bf16
-        # conversion turns the resulting subnormal into a wrong nonzero bf16 (0 becomes about 1.2e-38).
-        request.applymarker(pytest.mark.xfail(strict=True, reason="interpreter: _round_to maps +-0 and fp32 "
-                                              "subnormals to nonzero bf16 subnormals"))
     fresh_seed()
     dtype = DTYPES[dtype_name]
     x = _round_to_cases()[case].to(DEVICE)
