@@ -3,54 +3,39 @@
 What it computes
 ----------------
 Before attention, LLaMA rotates every query and key head by an angle that depends on the token's position
-(transformers 5.17, models/llama/modeling_llama.py, `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`):
-
-    q_embed = q * cos + rotate_half(q) * sin,      rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
-    k_embed = k * cos + rotate_half(k) * sin
-
-q is [B, n_q_heads, T, D], k is [B, n_kv_heads, T, D] (grouped-query attention: LLaMA-3.1-8B has 32 query heads and
-8 key/value heads of D = 128), and cos, sin are [B or 1, T, D], one row per token shared by all heads. Written per
-half (x1 = x[..., :D/2], x2 = x[..., D/2:], and likewise c1, c2, s1, s2 for cos and sin):
-
+(transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`; rotate_half(x) = cat(-x[..., D/2:],
+x[..., :D/2])):  q_embed = q * cos + rotate_half(q) * sin,  and k_embed likewise.  q is [B, n_q_heads, T, D], k is
+[B, n_kv_heads, T, D] (LLaMA-3.1-8B: 32 and 8 heads of D = 128), cos and sin are [B or 1, T, D], one row per token
+shared by all heads. Per half (x1 = x[..., :D/2], x2 = x[..., D/2:], likewise c1, c2, s1, s2 of cos and sin):
     forward:   out1 = x1 * c1 - x2 * s1             out2 = x2 * c2 + x1 * s2
     backward:  dx1  = g1 * c1 + g2 * s2             dx2  = g2 * c2 - g1 * s1          (g = upstream gradient)
+The whole expression runs in fp32 and is rounded once. cos and sin get no gradient (LLaMA computes them under no_grad).
 
-The backward is the transpose of the rotation: dx = g * cos + rotate_half^T(g * sin), rotate_half^T(y) =
-cat(y[..., D/2:], -y[..., :D/2]). LlamaRotaryEmbedding builds cos and sin from cat(freqs, freqs), so their halves are
-equal (c1 = c2, s1 = s2) and the backward is the forward with sin negated; the kernel uses the exact formula above,
-which is right for any cos and sin. cos and sin get no gradient: LLaMA computes them under torch.no_grad().
+Bytes it must move
+------------------
+With N = B * T tokens and H = n_q_heads + n_kv_heads: the forward reads q, k, cos, sin and writes q_embed, k_embed;
+the backward reads dq_embed, dk_embed, cos, sin and writes dq, dk: (2 * H + 2) * N * D elements each way. Eager runs
+mul, slice/neg/cat, mul and add per tensor (more in the backward), writing a full-size intermediate after each: about
+5x the bytes. RoPE does a few FLOPs per byte, so time follows bytes and fusing is the win. Memory is no gain: eager
+autograd, like this backward, keeps only cos and sin, which LLaMA shares between all layers of a step.
 
-Cast order (what we do, and what eager PyTorch does)
-----------------------------------------------------
-Eager runs separate elementwise ops in the model dtype: q * cos, rotate_half(q) (a negation and a concatenation:
-exact), its product with sin, and the sum. Each product and the sum compute in fp32 and ROUND to bf16, so
-q_embed = round(round(q * cos) + round(rotate_half(q) * sin)): three roundings. Those
-intermediate roundings are an artifact of running separate ops, not part of the function (unlike LlamaRMSNorm's cast
-back to the input dtype, which the model's code asks for), so this kernel loads in the storage dtype, computes the
-whole expression in fp32 and rounds ONCE: at most half a unit in the last place from the exact result, where eager's
-three roundings can lose more (bf16, 2 x 8 x 512 x 128: max error 0.015 against eager's 0.027). About a fifth of
-the bf16 outputs then differ from eager's in the last bit; in fp32 the two agree to rounding.
+Triton concepts introduced here (new relative to rmsnorm_kernel.py, which introduces the basics)
+------------------------------------------------------------------------------------------------
+- 3-D tiles and broadcasting: a program holds [tokens, heads, columns] tiles of q, and cos/sin tiles shaped
+  [tokens, 1, columns], whose size-1 axis broadcasts them over the heads ([T, 1, D] against [T, H, D]).
+- Compile-time shape constants: head counts and D/2 are tl.constexpr, so the compiler knows LLaMA's tiles need no
+  masks and vectorizes every load (one compilation per model; the token count stays a run-time argument).
+- A @triton.jit helper, `_rotate_heads`, called twice (for q and for k); Triton inlines it into the kernel.
+- Transposed views read through their batch, head and token strides: LlamaAttention passes
+  `q_proj(x).view(B, T, heads, D).transpose(1, 2)`, which the kernel reads without a copy.
+- A cached launch config: functools.lru_cache remembers the tile shape per input shape (host time counts here).
 
-Bytes moved (s = bytes per element, N = B * T tokens, H = n_q_heads + n_kv_heads)
-------------------------------------------------------------------------------
-    forward:  read q, k, cos, sin; write q_embed, k_embed      = (2 * H + 2) * N * D * s
-    backward: read dq_embed, dk_embed, cos, sin; write dq, dk  = (2 * H + 2) * N * D * s
-Eager runs mul, slice/neg/cat, mul, add per tensor (and more in the backward), writing a full-size intermediate after
-each: roughly 5x the bytes of the fused kernel. RoPE does a few FLOPs per byte, so time ~ bytes and fusing is the win.
-Memory is no gain: like eager autograd (whose multiplications by cos and sin save only cos and sin, since q and k
-are not needed for the gradient of a product with a constant), the backward keeps only cos and sin, which LLaMA
-shares between all layers of a step.
-
-Layouts
--------
-In LlamaAttention, q and k are NON-contiguous views: `q_proj(x).view(B, T, heads, D).transpose(1, 2)`. The kernel
-reads every tensor through its own batch, head and token strides (unit stride along D), so nothing is copied, and the
-outputs are allocated with `torch.empty_like`, which keeps the input's layout: attention sees the same strides as in
-eager. cos/sin may broadcast over the batch (their batch stride is then 0). Offsets are int64.
-
-Layout of this file: kernel -> launchers (validate, pick block sizes, launch) -> autograd Function ->
-`apply_rotary_pos_emb` (drop-in for transformers' function) -> `patch_llama_rope()` (can check the model's
-LlamaAttention count first).
+Limits
+------
+q and k 4-D with the same batch and token count, head_dim even and the same in q, k, cos and sin; cos and sin
+broadcastable over batch and tokens; one dtype for all four (fp32, bf16, fp16), one device; unsqueeze_dim 1 or 2. A
+last dimension that is not contiguous is copied. Offsets are int64. Without a GPU the same kernel runs on Triton's CPU
+interpreter (slow: toy sizes).
 """
 import contextlib
 import functools
@@ -59,48 +44,95 @@ import sys
 
 import torch
 
-# Without a GPU, Triton's CPU interpreter runs the kernels (slowly, with numpy). It must be switched on before
-# `import triton`, so the first kernel module imported sets the variable and prints a one-line notice.
+# Without a GPU the kernels run on Triton's CPU interpreter. Triton reads TRITON_INTERPRET when @triton.jit decorates a
+# function, so it is set before `import triton`; the first kernel module imported prints the one-line notice.
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
-    print("No CUDA device: Triton kernels run on the CPU interpreter (toy sizes; times are not meaningful).", file=sys.stderr)
+    print("No CUDA device: Triton kernels run on the CPU interpreter (toy sizes; times are not meaningful).",
+          file=sys.stderr)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The one device rule: the kernels run on the GPU when there is one, on the CPU interpreter otherwise.
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+KERNEL_DEVICE = "cpu" if INTERPRETER else "cuda"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Kernel
-# ----------------------------------------------------------------------------------------------------------------
-# One program handles BLOCK_T consecutive tokens of one sequence: it loads those tokens' cos and sin rows once, then
-# rotates ALL query heads and ALL key heads of those tokens (one launch for q and k, so cos and sin are read once
-# per token instead of once per tensor). The grid is (token blocks, batch). A tile is 3-D:
-# [BLOCK_T tokens, BLOCK_H heads, BLOCK_HALF columns of one half of the head]; the two halves are loaded as two
-# tiles, because each output half needs both input halves. On the GPU BLOCK_T is 1 at LLaMA-3.1-8B's shape
-# (32 heads x 64 columns = 2048 elements per half tile); on the CPU interpreter a program covers many tokens, because
-# the interpreter pays ~1 ms per program and per loop step.
+def _check_device(who, name, tensor):
+    """Raise a clear error unless `tensor` lives where the kernels run."""
+    if tensor.device.type != KERNEL_DEVICE:
+        raise ValueError(f"{who}: {name} is on {tensor.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
+                         f"move it to {KERNEL_DEVICE}")
 
 
 @triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """x (fp32) cast to `dtype`, rounding to nearest even as the GPU does. Triton's CPU interpreter truncates
+    fp32 -> bf16 instead, so there the rounding is done on the bits first: adding 0x7FFF, plus 1 when the last kept
+    bit is odd (ties to even), carries into the upper 16 bits exactly when rounding up; the truncating cast then keeps
+    them. fp16 casts already round there, and on the GPU this is a plain cast."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = (bits + 0x7FFF + ((bits >> 16) & 1)).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+__all__ = ["rope_forward", "rope_backward", "RoPEFunction", "apply_rotary_pos_emb", "patch_llama_rope",
+           "llama_attention_count"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 1. Kernels
+# ----------------------------------------------------------------------------------------------------------------------
+# One program handles BLOCK_T consecutive tokens of one sequence: it loads those tokens' cos and sin rows once, then
+# rotates ALL query heads and ALL key heads of those tokens (one launch for q and k, so cos and sin are read once per
+# token instead of once per tensor). The grid is (token blocks, batch). A tile is 3-D:
+# [BLOCK_T tokens, BLOCK_H heads, BLOCK_HALF columns of one half of the head]; the two halves are loaded as two tiles,
+# because each output half needs both input halves. On the GPU BLOCK_T is 1 at LLaMA-3.1-8B's shape (32 heads x 64
+# columns = 2048 elements per half tile); on the CPU interpreter a program covers many tokens.
+#
+# Cast order: eager runs separate elementwise ops in the model dtype: q * cos, rotate_half(q) (a negation and a
+# concatenation: exact), its product with sin, and the sum. Each product and the sum compute in fp32 and ROUND to
+# bf16, so q_embed = round(round(q * cos) + round(rotate_half(q) * sin)): three roundings. Those intermediate roundings
+# are an artifact of running separate ops, not part of the function (unlike LlamaRMSNorm's cast back to the input
+# dtype, which the model's code asks for), so this kernel computes the whole expression in fp32 and rounds ONCE: at
+# most half a unit in the last place from the exact result, where eager's three roundings can lose more (bf16,
+# 2 x 8 x 512 x 128: max error 0.015 against eager's 0.027). About a fifth of the bf16 outputs then differ from eager's
+# in the last bit; in fp32 the two agree to rounding.
+#
+# The backward is the transpose of the rotation: dx = g * cos + rotate_half^T(g * sin), rotate_half^T(y) =
+# cat(y[..., D/2:], -y[..., :D/2]). LlamaRotaryEmbedding builds cos and sin from cat(freqs, freqs), so their halves are
+# equal (c1 = c2, s1 = s2) and the backward is the forward with sin negated; the kernel uses the exact formula, which
+# is right for any cos and sin.
+@triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr,
-    x_batch_stride, x_head_stride, x_token_stride,
-    out_batch_stride, out_head_stride, out_token_stride,
-    batch, tokens, token_mask,
-    cos1, cos2, sin1, sin2,
-    N_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
+    x_ptr,             # q or k (or their upstream gradients in the backward): [B, heads, T, D], unit stride along D
+    out_ptr,           # the rotated result, same shape and dtype, its own strides
+    x_batch_stride,    # x's strides in elements: LLaMA's transposed views have head stride D and token stride heads * D
+    x_head_stride,
+    x_token_stride,
+    out_batch_stride,  # out's strides
+    out_head_stride,
+    out_token_stride,
+    batch,             # this program's sequence (int64)
+    tokens,            # [BLOCK_T] this program's token indices (int64)
+    token_mask,        # [BLOCK_T] False past the end of the sequence
+    cos1, cos2, sin1, sin2,  # [BLOCK_T, 1, BLOCK_HALF] fp32 halves of cos and sin, loaded once by the kernel
+    N_HEADS: tl.constexpr,     # heads of x (32 for q, 8 for k in LLaMA-3.1-8B)
+    HALF: tl.constexpr,        # D / 2
+    BLOCK_H: tl.constexpr,     # heads per tile (a power of two)
+    BLOCK_HALF: tl.constexpr,  # HALF rounded up to a power of two
+    BACKWARD: tl.constexpr,    # True: apply the transposed rotation
 ):
-    """Rotate every head of x (q or k) for this program's tokens. cos1 ... sin2: [BLOCK_T, 1, BLOCK_HALF] fp32."""
+    """Rotate every head of x for this program's tokens. A @triton.jit function called from a kernel is inlined."""
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < HALF  # BLOCK_HALF is D/2 rounded up to a power of two (D = 10 gives HALF 5, BLOCK_HALF 8)
-    tok = tokens[:, None, None]
-    # A loop over head blocks: one step for LLaMA (all 32 heads fit one tile); more for very wide models, whose
-    # whole row of heads would not fit in registers.
+    tok = tokens[:, None, None]  # [BLOCK_T, 1, 1]: [:, None, None] adds two size-1 axes that broadcast
+    # A loop over head blocks with a compile-time bound: one step for LLaMA (all 32 heads fit one tile); more for very
+    # wide models, whose whole row of heads would not fit in registers.
     for head_start in range(0, N_HEADS, BLOCK_H):
         heads = head_start + tl.arange(0, BLOCK_H)
+        # [BLOCK_T, BLOCK_H, BLOCK_HALF] by broadcasting three 1-D masks, one per axis.
         mask = token_mask[:, None, None] & (heads < N_HEADS)[None, :, None] & col_mask[None, None, :]
         # heads are int64 too: every term of the offset is int64, so no product can wrap at 2^31.
         head = heads.to(tl.int64)[None, :, None]
@@ -109,6 +141,7 @@ def _rotate_heads(
         # HALF elements after the first: the column stride is 1 (the launcher guarantees it).
         x1 = tl.load(x_first, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_first + HALF, mask=mask, other=0.0).to(tl.float32)
+        # cos1 ... sin2 are [BLOCK_T, 1, BLOCK_HALF]: the size-1 axis repeats each token's row over the heads.
         if BACKWARD:  # the transposed rotation: note the swapped sin halves and signs
             y1 = x1 * cos1 + x2 * sin2
             y2 = x2 * cos2 - x1 * sin1
@@ -118,26 +151,31 @@ def _rotate_heads(
         out_first = (out_ptr + batch * out_batch_stride + tok * out_token_stride + head * out_head_stride
                      + cols[None, None, :])
         # One rounding to the output dtype, after the whole expression (see "Cast order" above).
-        tl.store(out_first, y1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_first + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_first, _round_to(y1, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_first + HALF, _round_to(y2, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-    q_batch_stride, q_head_stride, q_token_stride,
+    q_ptr, k_ptr,          # inputs [B, n_q_heads, T, D] and [B, n_kv_heads, T, D] (upstream gradients in the backward)
+    cos_ptr, sin_ptr,      # [B or 1, T, D]
+    q_out_ptr, k_out_ptr,  # outputs, shaped like q and k
+    q_batch_stride, q_head_stride, q_token_stride,  # every tensor's own strides, in elements
     k_batch_stride, k_head_stride, k_token_stride,
     q_out_batch_stride, q_out_head_stride, q_out_token_stride,
     k_out_batch_stride, k_out_head_stride, k_out_token_stride,
-    cos_batch_stride, cos_token_stride, sin_batch_stride, sin_token_stride,
-    n_tokens,
-    N_Q_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BACKWARD: tl.constexpr,
+    cos_batch_stride, cos_token_stride,  # 0 along a broadcast (size-1) dimension of cos / sin
+    sin_batch_stride, sin_token_stride,
+    n_tokens,                    # T: varies from batch to batch, so a run-time argument
+    N_Q_HEADS: tl.constexpr,     # head counts and D / 2 are compile-time constants (one compilation per model): the
+    N_KV_HEADS: tl.constexpr,    # compiler then knows that LLaMA's tiles need no column or head mask and that the
+    HALF: tl.constexpr,          # second half starts 64 elements after the first, and it vectorizes every load
+    BLOCK_T: tl.constexpr,       # tokens per program
+    BLOCK_QH: tl.constexpr,      # heads per tile for q and for k
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,    # HALF rounded up to a power of two
+    BACKWARD: tl.constexpr,      # False: forward rotation; True: its transpose
 ):
-    # Head counts and head_dim are compile-time constants (one compilation per model): the compiler then knows that
-    # LLaMA's tiles need no column or head mask and that the second half starts 64 elements after the first, and it
-    # can vectorize every load. The token count varies from batch to batch, so it stays a run-time argument.
     # int64 before any multiplication by a stride: at 8B's shape q holds 4096 elements per token, so token * stride
     # passes 2^31 at 524288 tokens, and an int32 product would silently wrap to a wrong address.
     batch = tl.program_id(1).to(tl.int64)
@@ -156,6 +194,7 @@ def _rope_kernel(
     sin1 = tl.load(sin_first, mask=cs_mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_first + HALF, mask=cs_mask, other=0.0).to(tl.float32)
 
+    # The same helper twice: q's heads, then k's, with the cos/sin tiles already in registers.
     _rotate_heads(q_ptr, q_out_ptr, q_batch_stride, q_head_stride, q_token_stride,
                   q_out_batch_stride, q_out_head_stride, q_out_token_stride,
                   batch, tokens, token_mask, cos1, cos2, sin1, sin2,
@@ -166,15 +205,10 @@ def _rope_kernel(
                   N_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF, BACKWARD)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launchers: validate, pick tile sizes, allocate, launch
-# ----------------------------------------------------------------------------------------------------------------
-def _check_kernel_device(device, who):
-    # Compiled Triton kernels need CUDA tensors; only the CPU interpreter reads CPU (numpy-backed) memory.
-    if device.type == "cuda" or (device.type == "cpu" and INTERPRETING):
-        return
-    where = "the CPU interpreter (TRITON_INTERPRET=1)" if INTERPRETING else "CUDA (move the tensors with .cuda())"
-    raise ValueError(f"{who}: tensors are on {device}, but the Triton kernel runs on {where}")
+# ----------------------------------------------------------------------------------------------------------------------
+# 2. Launchers
+# ----------------------------------------------------------------------------------------------------------------------
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _validate(q, k, cos, sin, who):
@@ -215,13 +249,13 @@ def _validate(q, k, cos, sin, who):
         if t.device != q.device:
             raise ValueError(f"{who}: q, k, cos and sin must be on the same device, got q on {q.device} and {name} "
                              f"on {t.device}")
-    _check_kernel_device(q.device, who)
+    _check_device(who, "q", q)
 
 
 def _on_tensor_device(t):
-    """Triton launches on the CURRENT CUDA device; switch to t's GPU only when it is another one. Entering
-    torch.cuda.device() on every call is not free (see swiglu_kernel.py: while its launcher did so, the fused MLPs made
-    a host-bound 1x512 fine-tune step 30 % slower), and this kernel runs twice per layer per step."""
+    """Triton launches on the CURRENT CUDA device: switch to t's GPU only when it is another one, because entering
+    torch.cuda.device() on every call costs host time, and this kernel runs twice per layer per step (measured with
+    the SwiGLU launcher on an H200, see results/NOTES.md)."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
@@ -233,41 +267,40 @@ def _unit_column_stride(t):
 
 
 def _broadcast_strides(t):
-    """(batch stride, token stride) of a [B or 1, T or 1, D] cos/sin; 0 along a broadcast (size-1) dimension."""
+    """(batch stride, token stride) of a [B or 1, T or 1, D] cos/sin; 0 along a broadcast (size-1) dimension, so
+    every sequence (or token) reads the same row."""
     return (0 if t.shape[0] == 1 else t.stride(0)), (0 if t.shape[1] == 1 else t.stride(1))
 
 
-@functools.lru_cache(maxsize=256)  # the same few shapes every step: skip the arithmetic (~8 us of host time a call)
-def _launch_config(n_tokens, n_q_heads, n_kv_heads, head_dim, block_t, block_heads, num_warps):
-    """(BLOCK_T, BLOCK_QH, BLOCK_KH, BLOCK_HALF, num_warps). block_t (tokens per program), block_heads (heads per
-    tile) and num_warps override the defaults for a sweep on the GPU; tile dimensions must be powers of two."""
+# The same few shapes come every step, so the arithmetic below is cached per shape (~8 us of host time a call saved;
+# the kernel runs twice per layer per step).
+@functools.lru_cache(maxsize=256)
+def _launch_config(n_tokens, n_q_heads, n_kv_heads, head_dim, block_t, block_heads):
+    """(BLOCK_T, BLOCK_QH, BLOCK_KH, BLOCK_HALF, num_warps). block_t (tokens per program) and block_heads (heads per
+    tile) override the defaults, for tests: they make a small input span many token blocks and loop over several head
+    blocks. Tile dimensions are powers of two (tl.arange)."""
     for name, value in (("block_t", block_t), ("block_heads", block_heads)):
         if value is not None and (value < 1 or value & (value - 1)):
             raise ValueError(f"{name} must be a positive power of two, got {value}")
     block_half = triton.next_power_of_2(head_dim // 2)
     # Elements per half tile: GPU 2048 = all 32 heads x 64 columns of one LLaMA-3.1-8B token (8 KB of bf16 in flight
-    # per program for q, both halves, 16 elements per thread at 4 warps). Compiled for sm_90 without a GPU: 62
-    # registers, no spills, 128-bit loads and stores. Swept on an H200 (block_t 1/2/4 x heads per tile 32/16/8 x
-    # 2/4/8 warps, forward and backward kernels, q [1, 32, T, 128], k [1, 8, T, 128] bf16): at T = 16384 the
-    # one-token shapes are within 1 % of each other (177-178 us forward+backward, 92 % of copy), this default among
-    # them; at T = 8192 the times depend on where the buffers land more than on the shape (this default: forward
-    # 48.5 us and backward, the same code, 77.7 us; the 27 shapes 94-181 us in all, with no pattern across block_t,
-    # heads or warps), so nothing there beats it reliably.
-    # Interpreter: big tiles, because each program costs ~1 ms.
-    elements_per_tile = 16384 if INTERPRETING else 2048
+    # per program for q, both halves, 16 elements per thread at 4 warps; no register spills), within 1 % of the best
+    # launch shape measured on an H200 (see results/NOTES.md). Interpreter: big tiles, because it pays ~1 ms per
+    # program.
+    elements_per_tile = 16384 if INTERPRETER else 2048
     max_heads = block_heads or max(1, elements_per_tile // block_half)
     block_qh = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
     block_kh = min(triton.next_power_of_2(max(n_kv_heads, 1)), max_heads)
     block_t = block_t or max(1, min(triton.next_power_of_2(n_tokens), elements_per_tile // (block_qh * block_half)))
-    num_warps = num_warps or (4 if block_t * block_qh * block_half <= 2048 else 8)
+    num_warps = 4 if block_t * block_qh * block_half <= 2048 else 8
     return block_t, block_qh, block_kh, block_half, num_warps
 
 
-def _launch(q, k, cos, sin, q_out, k_out, backward, block_t, block_heads, num_warps):
+def _launch(q, k, cos, sin, q_out, k_out, backward, block_t, block_heads):
     batch, n_q_heads, n_tokens, head_dim = q.shape
     n_kv_heads = k.shape[1]
     block_t, block_qh, block_kh, block_half, warps = _launch_config(n_tokens, n_q_heads, n_kv_heads, head_dim,
-                                                                    block_t, block_heads, num_warps)
+                                                                    block_t, block_heads)
     cos_batch_stride, cos_token_stride = _broadcast_strides(cos)
     sin_batch_stride, sin_token_stride = _broadcast_strides(sin)
     grid = (triton.cdiv(n_tokens, block_t), batch)  # tokens on axis 0 (limit 2^31 - 1), batch on axis 1 (65535)
@@ -285,33 +318,35 @@ def _launch(q, k, cos, sin, q_out, k_out, backward, block_t, block_heads, num_wa
         )
 
 
-def rope_forward(q, k, cos, sin, *, block_t=None, block_heads=None, num_warps=None):
+def rope_forward(q, k, cos, sin, *, block_t=None, block_heads=None):
     """(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, same for k), for q [B, Hq, T, D], k [B, Hkv, T, D],
     cos/sin [B or 1, T, D]. The outputs keep q's and k's memory layout. Not differentiable (see
-    `apply_rotary_pos_emb`)."""
+    `apply_rotary_pos_emb`). block_t / block_heads: tile overrides for tests."""
     _validate(q, k, cos, sin, "rope_forward")
     q, k, cos, sin = (_unit_column_stride(t) for t in (q, k, cos, sin))
-    # empty_like keeps the strides of a dense tensor: LLaMA's transposed q gives a transposed q_embed, as in eager.
+    # empty_like keeps the strides of a dense tensor: LLaMA's transposed q gives a transposed q_embed, so attention
+    # sees the same strides as in eager.
     q_embed, k_embed = torch.empty_like(q), torch.empty_like(k)
     if q.shape[0] * q.shape[2] > 0:  # no tokens: nothing to launch (a grid dimension of 0 is not allowed)
-        _launch(q, k, cos, sin, q_embed, k_embed, False, block_t, block_heads, num_warps)
+        _launch(q, k, cos, sin, q_embed, k_embed, False, block_t, block_heads)
     return q_embed, k_embed
 
 
-def rope_backward(dq_embed, dk_embed, cos, sin, *, block_t=None, block_heads=None, num_warps=None):
+def rope_backward(dq_embed, dk_embed, cos, sin, *, block_t=None, block_heads=None):
     """(dq, dk) from the upstream gradients, in fresh buffers laid out like those gradients. The gradients may be
-    strided any way (attention's backward decides); a gradient whose last dimension is not contiguous is copied."""
+    strided any way (attention's backward decides); a gradient whose last dimension is not contiguous is copied.
+    block_t / block_heads: tile overrides for tests."""
     _validate(dq_embed, dk_embed, cos, sin, "rope_backward")
     dq_embed, dk_embed, cos, sin = (_unit_column_stride(t) for t in (dq_embed, dk_embed, cos, sin))
     dq, dk = torch.empty_like(dq_embed), torch.empty_like(dk_embed)
     if dq_embed.shape[0] * dq_embed.shape[2] > 0:
-        _launch(dq_embed, dk_embed, cos, sin, dq, dk, True, block_t, block_heads, num_warps)
+        _launch(dq_embed, dk_embed, cos, sin, dq, dk, True, block_t, block_heads)
     return dq, dk
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Autograd Function and the drop-in for transformers' apply_rotary_pos_emb
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+# 3. Autograd Function, functional API, module, model patching
+# ----------------------------------------------------------------------------------------------------------------------
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
@@ -330,7 +365,7 @@ class RoPEFunction(torch.autograd.Function):
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """Drop-in for transformers' `apply_rotary_pos_emb`, same signature and result (one rounding instead of three,
-    see the module docstring), differentiable in q and k.
+    see "Cast order" above the kernels), differentiable in q and k.
 
     unsqueeze_dim=1 (LLaMA): q [B, Hq, T, D], k [B, Hkv, T, D]; unsqueeze_dim=2: q [B, T, Hq, D], k [B, T, Hkv, D]
     (the same kernel on the transposed views). cos, sin: [B or 1, T, D] in q's dtype, not requiring grad."""
@@ -381,3 +416,71 @@ def llama_attention_count(model):
     """How many modules of model call the patched function: its LlamaAttention layers (one per decoder layer)."""
     from transformers.models.llama.modeling_llama import LlamaAttention
     return sum(isinstance(module, LlamaAttention) for module in model.modules())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 4. Run as a script
+# ----------------------------------------------------------------------------------------------------------------------
+def main(argv=None):
+    """One forward+backward on random inputs against float64; one line; exit code 0/1."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=2, help="sequences")
+    parser.add_argument("--tokens", type=int, default=13 if INTERPRETER else 2048,
+                        help="tokens per sequence; default: a toy size on the CPU interpreter, 2048 on a GPU")
+    parser.add_argument("--q-heads", type=int, default=4 if INTERPRETER else 32, help="query heads (LLaMA-3.1-8B: 32)")
+    parser.add_argument("--kv-heads", type=int, default=2 if INTERPRETER else 8, help="key heads (LLaMA-3.1-8B: 8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head_dim D (even)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16", help="dtype of q, k, cos, sin")
+    args = parser.parse_args(argv)
+    if args.head_dim % 2:
+        parser.error(f"--head-dim must be even (rotate_half splits it in two halves), got {args.head_dim}")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    B, T, D = args.batch, args.tokens, args.head_dim
+
+    def rotate_half(x):
+        return torch.cat((-x[..., D // 2:], x[..., :D // 2]), dim=-1)
+
+    def eager_rope(q, k, cos, sin):  # transformers' apply_rotary_pos_emb, written out
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    torch.manual_seed(0)
+    # q and k as LlamaAttention passes them: [B, T, heads, D] projections viewed as [B, heads, T, D]. cos and sin as
+    # LlamaRotaryEmbedding builds them: equal halves, angles position / 10000^(2i/D) from a random start position.
+    q = torch.randn(B, T, args.q_heads, D, device=KERNEL_DEVICE).to(dtype).transpose(1, 2)
+    k = torch.randn(B, T, args.kv_heads, D, device=KERNEL_DEVICE).to(dtype).transpose(1, 2)
+    positions = torch.randint(1, 4096, (B, 1), device=KERNEL_DEVICE) + torch.arange(T, device=KERNEL_DEVICE)
+    inv_freq = 10000.0 ** -(torch.arange(0, D, 2, device=KERNEL_DEVICE).float() / D)
+    angles = (positions[..., None].float() * inv_freq).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    dq_embed, dk_embed = (torch.randn(t.shape, device=KERNEL_DEVICE).to(dtype) for t in (q, k))
+
+    def run(fn, cast):
+        qc, kc = cast(q).requires_grad_(), cast(k).requires_grad_()
+        q_embed, k_embed = fn(qc, kc, cast(cos), cast(sin))
+        torch.autograd.backward((q_embed, k_embed), (cast(dq_embed), cast(dk_embed)))
+        return q_embed.detach(), k_embed.detach(), qc.grad, kc.grad
+
+    reference = run(eager_rope, lambda t: t.detach().double())
+    torchs = run(eager_rope, lambda t: t.detach())
+    ours = run(apply_rotary_pos_emb, lambda t: t.detach())
+
+    def rel_error(a, ref):
+        return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+    # The tests' rule: no worse than PyTorch in the same dtype times 2, plus one unit in the last place.
+    ok, parts = True, []
+    for name, a, b, ref in zip(("q_embed", "k_embed", "dq", "dk"), ours, torchs, reference):
+        ours_err, torch_err = rel_error(a, ref), rel_error(b, ref)
+        ok &= ours_err <= 2 * torch_err + torch.finfo(dtype).eps
+        parts.append(f"{name} {ours_err:.2e} (PyTorch {torch_err:.2e})")
+    where = "CPU interpreter" if INTERPRETER else torch.cuda.get_device_name()
+    print(f"rope q [{B}, {args.q_heads}, {T}, {D}], k [{B}, {args.kv_heads}, {T}, {D}] {args.dtype} on {where}, "
+          f"max relative error vs float64: {', '.join(parts)}: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,22 +6,19 @@ formula q * cos + rotate_half(q) * sin, no roundings), measures PyTorch's own er
 `apply_rotary_pos_emb` and its autograd backward, i.e. what LLaMA runs), and requires, for q_embed, k_embed, dq and dk,
     max|ours - reference| <= 2 * max|torch - reference| + eps(dtype) * max|reference|
 (the last term is one unit in the last place at the tensor's largest magnitude: 0.8 % of it in bf16, so an all-zero or
-wrongly-signed result fails by a factor of ~100). The factor 2 and, for bf16 on Triton's CPU interpreter, a second unit
-in the last place leave room for the interpreter, which truncates fp32 -> bf16 casts instead of rounding them (the GPU
-rounds, and there the kernel's single rounding must be no worse than eager's three: checked at LLaMA's shape).
+wrongly-signed result fails by a factor of ~100). The same rule holds on the GPU and on the CPU interpreter (the kernel
+rounds bf16 to nearest on both). The kernel's single rounding is also checked bit for bit against one fp32
+computation rounded once, and, at LLaMA's shape on the GPU, to be no worse than eager's three roundings.
 
 cos and sin come from transformers' own LlamaRotaryEmbedding (llama3 and yarn scaling, the latter multiplies them by
 1.14) at random positions, or, to check the general backward formula, from random angles whose two halves differ.
 q and k are the non-contiguous views LlamaAttention passes (`.view(B, T, heads, D).transpose(1, 2)`) or contiguous.
 
-Run with pytest (`python -m pytest rope_test.py -q`) or as a script (`python rope_test.py`), which prints a
-PASSED/FAILED report and exits non-zero on failure. Both paths run the same check functions over the same cases.
-Without a GPU the kernel runs on the CPU interpreter, so CPU shapes are small; the GPU-only tests use LLaMA-3.1-8B's
-attention shape.
+`python rope_test.py` runs these tests with pytest and prints a PASSED/FAILED line per check. Without a GPU the kernel
+runs on the CPU interpreter, so CPU shapes are small; the GPU-only tests use LLaMA-3.1-8B's attention shape.
 """
 import argparse
 import sys
-import traceback
 import zlib
 
 import pytest
@@ -51,9 +48,9 @@ ROPE_PARAMETERS = {
 MAX_POSITIONS = {"llama3": 131072, "yarn": 8192}  # consistent with each scaling (transformers warns otherwise)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
 # Helpers
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
 def seed_for(*case):
     """A different but reproducible random stream for every case."""
     torch.manual_seed(zlib.crc32(repr(case).encode()))
@@ -123,10 +120,7 @@ def assert_no_worse_than_torch(what, ours_val, torch_val, ref, k=2.0):
     assert ref_max > 0, f"{what}: the reference is all zeros, so this check could not fail"
     ours_err = (ours_val.double() - ref).abs().max().item()
     torch_err = (torch_val.double() - ref).abs().max().item()
-    # One unit in the last place at the largest magnitude; two for bf16 on the CPU interpreter, whose truncating
-    # casts can lose a whole unit where a rounding cast loses at most half of one.
-    ulps = 2 if (rope_kernel.INTERPRETING and torch_val.dtype == torch.bfloat16) else 1
-    floor = ulps * torch.finfo(torch_val.dtype).eps * ref_max
+    floor = torch.finfo(torch_val.dtype).eps * ref_max  # one unit in the last place at the largest magnitude
     assert ours_err <= k * torch_err + floor, (
         f"{what}: max error {ours_err:.3e} (relative to max |ref| {ours_err / ref_max:.2e}) > {k} x torch's "
         f"{torch_err:.3e} + {floor:.3e}")
@@ -146,9 +140,9 @@ def upstream_grads(q, k):
     return (torch.randn(t.shape, device=DEVICE).to(t.dtype) for t in (q, k))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Check functions (shared by pytest and the script report) and their cases
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+# The kernel against the reference
+# ----------------------------------------------------------------------------------------------------------------------
 # (batch, q_heads, kv_heads, tokens, head_dim, cos_batch, rope_type): tokens never a power of two or a multiple of
 # a token block; GQA (kv < q heads) and MHA; cos per sequence (cos_batch = batch) or broadcast over the batch (1);
 # head_dim 64, 128 and 10 / 6 (halves of 5 and 3 columns: padded tiles); LLaMA-3.1-8B's 32 / 8 heads.
@@ -163,7 +157,7 @@ SHAPES = [
 LAYOUTS = ["llama", "contiguous"]
 
 
-def check_forward_backward(shape, dtype_name, layout):
+def forward_backward_case(shape, dtype_name, layout):
     seed_for("fwd_bwd", shape, dtype_name, layout)
     batch, q_heads, kv_heads, tokens, head_dim, cos_batch, rope_type = shape
     dtype = DTYPES[dtype_name]
@@ -174,7 +168,19 @@ def check_forward_backward(shape, dtype_name, layout):
     assert q_embed.stride() == q.stride() and k_embed.stride() == k.stride()
 
 
-def check_general_cos_sin(dtype_name):
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_backward(shape, dtype_name, layout):
+    forward_backward_case(shape, dtype_name, layout)
+
+
+def test_forward_backward_fp16():
+    forward_backward_case(SHAPES[0], "fp16", "llama")
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_general_cos_sin(dtype_name):
     """cos/sin halves that differ: only the exact backward formula passes (the 'negate sin' shortcut would not)."""
     seed_for("general", dtype_name)
     dtype = DTYPES[dtype_name]
@@ -183,7 +189,8 @@ def check_general_cos_sin(dtype_name):
     check_against_reference(q, k, cos, sin, *upstream_grads(q, k))
 
 
-def check_unsqueeze_dim_2(dtype_name):
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_unsqueeze_dim_2(dtype_name):
     """q, k as [B, T, heads, D] with unsqueeze_dim=2 (the layout before LLaMA's transpose)."""
     seed_for("unsqueeze2", dtype_name)
     dtype = DTYPES[dtype_name]
@@ -207,12 +214,10 @@ def _grad_layout(name, shape, dtype):
     raise KeyError(name)
 
 
-GRAD_LAYOUTS = ["like q", "sliced", "column-strided", "expanded"]
-
-
-def check_grad_layout(grad_layout, dtype_name):
-    seed_for("grad_layout", grad_layout, dtype_name)
-    dtype = DTYPES[dtype_name]
+@pytest.mark.parametrize("grad_layout", ["like q", "sliced", "column-strided", "expanded"])
+def test_grad_layout(grad_layout):
+    seed_for("grad_layout", grad_layout, "bf16")
+    dtype = torch.bfloat16
     q, k = make_qk(2, 4, 2, 6, 32, dtype, "llama")
     cos, sin = llama_cos_sin(1, 6, 32, dtype, "llama3")
     dq_embed, dk_embed = _grad_layout(grad_layout, q.shape, dtype), _grad_layout(grad_layout, k.shape, dtype)
@@ -221,14 +226,16 @@ def check_grad_layout(grad_layout, dtype_name):
         assert dq.stride() == dq_embed.stride() and dk.stride() == dk_embed.stride()
 
 
-def check_block_overrides(block_t, block_heads, num_warps):
-    """Launcher overrides (for a GPU sweep) give the same bits as the defaults, here with token tiles that overhang
-    the sequence and head tiles that make the kernel loop over 3 head blocks with a partial last one."""
-    seed_for("overrides", block_t, block_heads, num_warps)
+@pytest.mark.parametrize("block_t,block_heads", [(2, 2), (8, 4), (1, 1)])
+def test_block_overrides(block_t, block_heads):
+    """The launchers' tile overrides (which exist for this test) give the same bits as the defaults, here with token
+    tiles that overhang the sequence and head tiles that make the kernel loop over 3 head blocks with a partial last
+    one (on the CPU the default tiles hold every token and head of these small inputs)."""
+    seed_for("overrides", block_t, block_heads)
     q, k = make_qk(2, 6, 3, 7, 10, torch.bfloat16, "llama")
     cos, sin = llama_cos_sin(2, 7, 10, torch.bfloat16, "yarn")
     dq_embed, dk_embed = upstream_grads(q, k)
-    knobs = dict(block_t=block_t, block_heads=block_heads, num_warps=num_warps)
+    knobs = dict(block_t=block_t, block_heads=block_heads)
     for tuned, default in zip(rope_forward(q, k, cos, sin, **knobs) + rope_backward(dq_embed, dk_embed, cos, sin,
                                                                                     **knobs),
                               rope_forward(q, k, cos, sin) + rope_backward(dq_embed, dk_embed, cos, sin)):
@@ -236,13 +243,12 @@ def check_block_overrides(block_t, block_heads, num_warps):
     check_against_reference(q, k, cos, sin, dq_embed, dk_embed)
 
 
-def check_cast_order(dtype_name):
+@pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
+def test_cast_order(dtype_name):
     """The error rule above cannot tell one rounding from three, so compare bits: the kernel computes the whole
     expression in fp32 and rounds once, so its outputs and gradients equal that computation done with torch in fp32
     and cast once, except for rare last-bit differences (fused multiply-adds on the GPU). Eager's three roundings
     differ from it in ~20 % of the outputs."""
-    if rope_kernel.INTERPRETING and dtype_name == "bf16":
-        pytest.skip("the CPU interpreter truncates bf16 casts instead of rounding them")
     seed_for("cast_order", dtype_name)
     dtype = DTYPES[dtype_name]
     q, k = make_qk(2, 8, 2, 33, 64, dtype, "llama")
@@ -258,10 +264,8 @@ def check_cast_order(dtype_name):
         assert same > 0.99, f"{what}: only {same:.2%} of the values equal one fp32 computation rounded once"
 
 
-EMPTY_SHAPES = [(1, 4, 2, 0, 16), (0, 4, 2, 5, 16)]
-
-
-def check_empty(shape):
+@pytest.mark.parametrize("shape", [(1, 4, 2, 0, 16), (0, 4, 2, 5, 16)], ids=str)
+def test_empty(shape):
     batch, q_heads, kv_heads, tokens, head_dim = shape
     q = torch.randn(batch, q_heads, tokens, head_dim, device=DEVICE, requires_grad=True)
     k = torch.randn(batch, kv_heads, tokens, head_dim, device=DEVICE, requires_grad=True)
@@ -272,7 +276,7 @@ def check_empty(shape):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
-def check_no_grad():
+def test_no_grad():
     """Inference (no_grad): works, builds no graph, and cos/sin that require grad are fine there."""
     seed_for("no_grad")
     q, k = make_qk(1, 4, 2, 5, 16, torch.float32, "llama")
@@ -320,16 +324,16 @@ def _bad_inputs():
     ]
 
 
-BAD_INPUTS = [name for name, *_ in _bad_inputs()]
-
-
-def check_bad_input(name):
+@pytest.mark.parametrize("name", [name for name, *_ in _bad_inputs()])
+def test_bad_input(name):
     _, call, error, words = next(case for case in _bad_inputs() if case[0] == name)
     with pytest.raises(error, match=words):
         call()
 
 
-# --- the transformers integration: a tiny LlamaForCausalLM with random weights, with and without the patch ---
+# ----------------------------------------------------------------------------------------------------------------------
+# The transformers integration: a tiny LlamaForCausalLM with random weights, with and without the patch
+# ----------------------------------------------------------------------------------------------------------------------
 def _tiny_llama(dtype):
     config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=131072,
@@ -348,7 +352,8 @@ def _relative_error(got, ref):
     return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check_patch_llama(dtype_name):
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_patch_llama(dtype_name):
     """Loss and every parameter gradient of a whole LLaMA forward+backward, with transformers' RoPE and with ours
     patched in; the patch really routes both layers through the kernel, and the original comes back afterwards.
     fp32: equal to rounding. bf16: both against a float64 copy of the model, ours no worse than eager x 2 (relative
@@ -393,10 +398,13 @@ def check_patch_llama(dtype_name):
                 f"{name}: relative error {_relative_error(o, r):.2e} vs eager's {_relative_error(e, r):.2e}")
 
 
-# --- GPU only ---
-def check_llama_shape_gpu():
-    """LLaMA-3.1-8B's attention, 2 x 1024 tokens, bf16, as LlamaAttention passes it; the GPU rounds casts to nearest,
-    so the kernel's single rounding must be no worse than eager's three."""
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------------------------------------------------
+@needs_cuda
+def test_llama_shape_gpu():
+    """LLaMA-3.1-8B's attention, 2 x 1024 tokens, bf16, as LlamaAttention passes it: the error rule, and the kernel's
+    single rounding no worse than eager's three."""
     seed_for("llama_shape")
     q, k = make_qk(2, 32, 8, 1024, 128, torch.bfloat16, "llama")
     cos, sin = llama_cos_sin(1, 1024, 128, torch.bfloat16, "llama3")
@@ -409,14 +417,16 @@ def check_llama_shape_gpu():
         assert ours_err <= eager_err, f"{what}: {ours_err:.3e} > eager's {eager_err:.3e}"
 
 
-def check_cpu_tensors_rejected_on_gpu():
+@needs_cuda
+def test_cpu_tensors_rejected_on_gpu():
     q = torch.randn(1, 2, 3, 8)  # [batch, heads, tokens, head_dim] on the CPU
     cos = torch.randn(1, 3, 8)  # [batch, tokens, head_dim]: valid shapes, so the device check is what fails
-    with pytest.raises(ValueError, match="CUDA"):
+    with pytest.raises(ValueError, match="run on cuda"):
         apply_rotary_pos_emb(q, q, cos, cos)
 
 
-def check_int64_offsets_gpu():
+@needs_cuda
+def test_int64_offsets_gpu():
     """More than 2^31 elements in q: int32 offsets would wrap. Checks the last tokens against a separate run."""
     tokens = 2**31 // (32 * 128) + 8  # 524296 tokens; q alone is 4.3 GB in bf16
     if torch.cuda.mem_get_info()[0] < 40 * 2**30:
@@ -432,138 +442,9 @@ def check_int64_offsets_gpu():
     check_against_reference(*parts, *upstream_grads(*parts[:2]))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# pytest entry points: one per check, parametrized over the same case lists the script uses
-# ----------------------------------------------------------------------------------------------------------------
-FWD_BWD_DTYPES = ["bf16", "fp32"]
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype_name", FWD_BWD_DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_backward(shape, dtype_name, layout):
-    check_forward_backward(shape, dtype_name, layout)
-
-
-def test_forward_backward_fp16():
-    check_forward_backward(SHAPES[0], "fp16", "llama")
-
-
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
-def test_general_cos_sin(dtype_name):
-    check_general_cos_sin(dtype_name)
-
-
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
-def test_unsqueeze_dim_2(dtype_name):
-    check_unsqueeze_dim_2(dtype_name)
-
-
-@pytest.mark.parametrize("grad_layout", GRAD_LAYOUTS)
-def test_grad_layout(grad_layout):
-    check_grad_layout(grad_layout, "bf16")
-
-
-OVERRIDES = [(2, 2, 4), (8, 4, 8), (1, 1, 2)]
-
-
-@pytest.mark.parametrize("block_t,block_heads,num_warps", OVERRIDES)
-def test_block_overrides(block_t, block_heads, num_warps):
-    check_block_overrides(block_t, block_heads, num_warps)
-
-
-@pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
-def test_cast_order(dtype_name):
-    check_cast_order(dtype_name)
-
-
-@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
-def test_empty(shape):
-    check_empty(shape)
-
-
-def test_no_grad():
-    check_no_grad()
-
-
-@pytest.mark.parametrize("name", BAD_INPUTS)
-def test_bad_input(name):
-    check_bad_input(name)
-
-
-@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
-def test_patch_llama(dtype_name):
-    check_patch_llama(dtype_name)
-
-
-@needs_cuda
-def test_llama_shape_gpu():
-    check_llama_shape_gpu()
-
-
-@needs_cuda
-def test_cpu_tensors_rejected_on_gpu():
-    check_cpu_tensors_rejected_on_gpu()
-
-
-@needs_cuda
-def test_int64_offsets_gpu():
-    check_int64_offsets_gpu()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Script mode: the same checks, a PASSED/FAILED report, exit code 1 on any failure
-# ----------------------------------------------------------------------------------------------------------------
-def _all_cases():
-    for shape in SHAPES:
-        for dtype_name in FWD_BWD_DTYPES:
-            for layout in LAYOUTS:
-                yield (f"forward_backward {shape} {dtype_name} {layout}", check_forward_backward,
-                       (shape, dtype_name, layout), False)
-    yield f"forward_backward {SHAPES[0]} fp16 llama", check_forward_backward, (SHAPES[0], "fp16", "llama"), False
-    for dtype_name in ("bf16", "fp32"):
-        yield f"general_cos_sin {dtype_name}", check_general_cos_sin, (dtype_name,), False
-        yield f"unsqueeze_dim_2 {dtype_name}", check_unsqueeze_dim_2, (dtype_name,), False
-    for grad_layout in GRAD_LAYOUTS:
-        yield f"grad_layout {grad_layout} bf16", check_grad_layout, (grad_layout, "bf16"), False
-    for knobs in OVERRIDES:
-        yield f"block_overrides {knobs}", check_block_overrides, knobs, False
-    for dtype_name in ("fp16", "bf16"):
-        yield f"cast_order {dtype_name}", check_cast_order, (dtype_name,), False
-    for shape in EMPTY_SHAPES:
-        yield f"empty {shape}", check_empty, (shape,), False
-    yield "no_grad", check_no_grad, (), False
-    for name in BAD_INPUTS:
-        yield f"bad_input {name}", check_bad_input, (name,), False
-    for dtype_name in ("fp32", "bf16"):
-        yield f"patch_llama {dtype_name}", check_patch_llama, (dtype_name,), False
-    yield "llama_shape_gpu [2, 32|8, 1024, 128] bf16", check_llama_shape_gpu, (), True
-    yield "cpu_tensors_rejected_on_gpu", check_cpu_tensors_rejected_on_gpu, (), True
-    yield "int64_offsets_gpu [1, 32, 524296, 128] bf16", check_int64_offsets_gpu, (), True
-
-
-def main():
-    # No options (pytest has them, e.g. -k); --help prints what the checks are and how they pass.
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    print(f"RoPE kernel tests on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu (Triton interpreter)'}")
-    counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}
-    for name, check, args, gpu_only in _all_cases():
-        if gpu_only and DEVICE != "cuda":
-            status, detail = "SKIPPED", "needs a CUDA GPU"
-        else:
-            try:
-                check(*args)
-                status, detail = "PASSED", ""
-            except pytest.skip.Exception as skip:
-                status, detail = "SKIPPED", str(skip)
-            except Exception as error:  # report every failure, keep going
-                status, detail = "FAILED", f"{type(error).__name__}: {error}"
-                traceback.print_exc()
-        counts[status] += 1
-        print(f"{status:8s} {name}" + (f"  ({detail})" if detail else ""))
-    print(", ".join(f"{n} {s.lower()}" for s, n in counts.items()))
-    return 1 if counts["FAILED"] else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python x_test.py` runs pytest on this file and ends with one PASSED / FAILED / SKIPPED line per check (pytest's
+    # -rA summary); other arguments go to pytest (e.g. -k bf16). --help prints what is checked and how it passes.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _, pytest_args = parser.parse_known_args()
+    sys.exit(pytest.main([__file__, "-q", "-rA", "-p", "no:cacheprovider", *pytest_args]))

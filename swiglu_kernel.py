@@ -2,87 +2,107 @@
 
 What it computes
 ----------------
-LLaMA's MLP is  down_proj( silu(gate_proj(x)) * up_proj(x) ),  with silu(g) = g * sigmoid(g).
-The three projections are matmuls (they stay in cuBLAS); between them sits pure elementwise work on two
-[tokens, intermediate] tensors (intermediate = 14336 for LLaMA-3.1-8B). That is what this file fuses:
-
-    forward:   out   = silu(gate) * up
-    backward:  dup   = dy * silu(gate)
+LLaMA's MLP is down_proj(silu(gate_proj(x)) * up_proj(x)), with silu(g) = g * sigmoid(g). The three projections are
+matmuls (they stay in cuBLAS); between them sits elementwise work on [tokens, intermediate] tensors (intermediate =
+14336 in LLaMA-3.1-8B). This file fuses it, with transformers' cast order ("round" = cast to gate's dtype):
+    forward:   out   = round(round(silu(gate)) * up)
+    backward:  dup   = dy * round(silu(gate))
                dgate = dy * up * silu'(gate),   silu'(g) = s * (1 + g * (1 - s)),  s = sigmoid(g)
+The backward recomputes silu from gate instead of saving it; TritonLlamaMLP swaps it into a transformers model.
 
-Cast order (checked in transformers 5.17, models/llama/modeling_llama.py and activations.py)
------------------------------------------------------------------------------------------
-`LlamaMLP.forward` is `self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))` with
-`act_fn = ACT2FN[config.hidden_act]`; "silu" maps to `SiLUActivation` (its forward is `nn.functional.silu`; the
-`@use_kernel_forward_from_hub("SiLU")` decorator only swaps in a Hub kernel when a model is explicitly kernelized) and
-"swish" to `nn.SiLU`. So in a bf16 model the activation runs on the bf16 gate tensor: PyTorch computes silu in fp32
-internally and ROUNDS the result to bf16, and the `*` with up rounds once more. We reproduce exactly that:
-    out = round( round(silu(gate)) * up )          (all arithmetic in fp32, "round" = cast to the input dtype)
-In the backward PyTorch's autograd also rounds dy * up to bf16 before applying silu'(gate); that rounding is an
-artifact of running two separate ops, not part of the function, so we keep dy * up * silu'(gate) in fp32 and round
-once (slightly more accurate). dup = dy * round(silu(gate)) uses the ROUNDED silu, because that is the value the
-forward really multiplied up with.
+Bytes it must move
+------------------
+With N = tokens * intermediate elements: the forward reads gate and up and writes out (3 N), the backward reads gate,
+up and dy and writes dgate and dup (5 N). Eager PyTorch runs silu and mul (forward) and mul, mul and silu_backward
+(backward) as separate kernels, each reading and writing whole tensors: 5 N forward and 9 N backward, 14 N against our
+8 N. A few FLOPs per byte: time follows bytes, so fusing is the whole win.
 
-Bytes moved (2 bytes per element in bf16, N = tokens * intermediate elements)
----------------------------------------------------------------------------
-    forward:  read gate, up; write out                  = 3 tensors = 6 N bytes
-    backward: read gate, up, dy; write dgate, dup       = 5 tensors = 10 N bytes
-Eager PyTorch runs silu, mul (forward) and mul, mul, silu_backward (backward) as separate kernels, each reading and
-writing full tensors: 5 tensors forward and 9 backward, 14 against our 8. The work is far too light to be
-compute-bound, so time ~ bytes, and fusing is the whole win.
+Triton concepts introduced here (new relative to rmsnorm_kernel.py, which introduces the basics)
+------------------------------------------------------------------------------------------------
+- A 2-D grid: tl.program_id(0) numbers blocks of rows, tl.program_id(1) blocks of columns; a program's tile is
+  their product, and [:, None] / [None, :] broadcast the two index blocks into a 2-D block of pointers.
+- Tensors read through their own row strides: gate and up may be the two halves of one fused gate_up projection
+  (`gate_up.chunk(2, dim=-1)`, row stride 2 * intermediate), read in place without a copy.
+- A backward that writes its outputs over its inputs (in place): each program loads its whole tile before it stores
+  to the same addresses, and no other program touches that tile.
+- Elementwise math in fp32 between 16-bit loads and stores, with an extra rounding where the model has one.
 
-Why recompute silu in the backward instead of saving it
--------------------------------------------------------
-Eager autograd saves gate (for silu's backward) AND silu(gate) and up (for the product's backward): three
-[tokens, intermediate] tensors per layer. We save only gate and up and recompute sigmoid/silu from gate in the
-backward; it costs a few arithmetic instructions per element (free in a memory-bound kernel) and saves one tensor per
-layer: 8192 tokens * 14336 * 2 bytes = 235 MB per layer, 7.5 GB over LLaMA-3.1-8B's 32 layers.
-TritonLlamaMLP also lets the backward write dgate and dup over gate and up, whose last use it is
-(`inplace_backward`): the backward then allocates nothing, two such tensors fewer at the moment the backward of the
-first MLP starts, when every layer's activations are still alive (470 MB at 8192 tokens).
-
-Layout of this file: kernels -> launchers (validate, pick block sizes, launch) -> autograd Function -> `swiglu()` ->
-`TritonLlamaMLP` (drop-in for transformers' LlamaMLP) -> `replace_llama_mlp(model)`.
+Limits
+------
+gate and up: same shape, dtype (fp32, bf16, fp16) and device, at least one dimension, any leading dimensions; rows
+may be strided, a last dimension that is not contiguous is copied. Offsets are int64 (tensors may exceed 2**31
+elements). Without a GPU the same kernels run on Triton's CPU interpreter (slow: toy sizes).
 """
 import contextlib
 import os
 import sys
 
 import torch
-from torch import nn
 
-# Without a GPU, Triton's CPU interpreter runs the kernels (slowly, with numpy). It must be switched on before
-# `import triton`, so the first kernel module imported sets the variable and prints a one-line notice.
+# Without a GPU the kernels run on Triton's CPU interpreter. Triton reads TRITON_INTERPRET when @triton.jit decorates a
+# function, so it is set before `import triton`; the first kernel module imported prints the one-line notice.
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
-    print("No CUDA device: Triton kernels run on the CPU interpreter (toy sizes; times are not meaningful).", file=sys.stderr)
+    print("No CUDA device: Triton kernels run on the CPU interpreter (toy sizes; times are not meaningful).",
+          file=sys.stderr)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The one device rule: the kernels run on the GPU when there is one, on the CPU interpreter otherwise.
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+KERNEL_DEVICE = "cpu" if INTERPRETER else "cuda"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------------------------
-# Both kernels see their tensors as 2-D [n_rows, n_cols] (all leading dims flattened into rows, n_cols = the
-# intermediate size). Each program handles one tile of BLOCK_ROWS x BLOCK_COLS elements; the grid is
-# (row tiles, column tiles). On the GPU a tile is typically 1 row x 8192 columns (enough bytes in flight per program
-# to saturate HBM); on the CPU interpreter a tile covers many rows, because the interpreter pays ~1 ms per program.
-#
-# Every tensor has its own row stride (elements between the starts of consecutive rows) and a column stride of 1.
-# That lets gate and up be the two halves of one fused gate_up projection (`gate_up.chunk(2, dim=-1)` gives views
-# whose row stride is 2 * n_cols) without copying them.
+def _check_device(who, name, tensor):
+    """Raise a clear error unless `tensor` lives where the kernels run."""
+    if tensor.device.type != KERNEL_DEVICE:
+        raise ValueError(f"{who}: {name} is on {tensor.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
+                         f"move it to {KERNEL_DEVICE}")
 
 
 @triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """x (fp32) cast to `dtype`, rounding to nearest even as the GPU does. Triton's CPU interpreter truncates
+    fp32 -> bf16 instead, so there the rounding is done on the bits first: adding 0x7FFF, plus 1 when the last kept
+    bit is odd (ties to even), carries into the upper 16 bits exactly when rounding up; the truncating cast then keeps
+    them. fp16 casts already round there, and on the GPU this is a plain cast."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = (bits + 0x7FFF + ((bits >> 16) & 1)).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+__all__ = ["swiglu_forward", "swiglu_backward", "SwiGLUFunction", "swiglu", "TritonLlamaMLP", "replace_llama_mlp"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 1. Kernels
+# ----------------------------------------------------------------------------------------------------------------------
+# Both kernels see their tensors as 2-D [n_rows, n_cols] (leading dims flattened into rows, n_cols = the intermediate
+# size). Nothing is reduced along a row, so a row need not sit in one program: each program takes one tile of
+# BLOCK_ROWS x BLOCK_COLS elements, and the grid is (row blocks, column blocks). On the GPU a tile is typically 1 row x
+# 8192 columns (enough bytes in flight per program to keep HBM busy); on the CPU interpreter a tile covers many rows.
+#
+# The cast order follows transformers (checked in 5.17, models/llama/modeling_llama.py and activations.py):
+# `LlamaMLP.forward` is `self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))` with
+# `act_fn = ACT2FN[config.hidden_act]`; "silu" maps to `SiLUActivation` (its forward is `nn.functional.silu`; the
+# `@use_kernel_forward_from_hub("SiLU")` decorator only swaps in a Hub kernel when a model is explicitly kernelized) and
+# "swish" to `nn.SiLU`. So in a bf16 model silu runs on the bf16 gate tensor: PyTorch computes it in fp32 internally
+# and ROUNDS the result to bf16, and the `*` with up rounds once more. The forward kernel does exactly that.
+@triton.jit
 def _swiglu_forward_kernel(
-    gate_ptr, up_ptr, out_ptr,
-    gate_row_stride, up_row_stride, out_row_stride,
-    n_rows, n_cols,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    gate_ptr,         # [n_rows, n_cols] gate_proj(x), unit stride along a row; fp32, bf16 or fp16
+    up_ptr,           # [n_rows, n_cols] up_proj(x), same dtype
+    out_ptr,          # [n_rows, n_cols] output, same dtype
+    gate_row_stride,  # elements from one row to the next, per tensor (2 * n_cols for a half of a fused gate_up)
+    up_row_stride,
+    out_row_stride,
+    n_rows,           # tokens
+    n_cols,           # the intermediate size
+    BLOCK_ROWS: tl.constexpr,  # rows per tile (a power of two)
+    BLOCK_COLS: tl.constexpr,  # columns per tile (a power of two)
 ):
+    # Axis 0 of the grid picks the block of rows, axis 1 the block of columns.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)  # the last tiles hang over the tensor's edges
@@ -97,19 +117,33 @@ def _swiglu_forward_kernel(
     # silu(g) = g / (1 + exp(-g)), the same formula PyTorch uses. For very negative g, exp(-g) = inf and the
     # result is -0.0, which is the correct limit.
     act = g / (1.0 + tl.exp(-g))
-    # Round silu to the tensor dtype first, as transformers does (F.silu returns a bf16 tensor), then multiply
-    # and round again. For fp32 inputs both casts are no-ops.
-    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    # Round silu to the tensor dtype first, as F.silu does (it returns a bf16 tensor), then multiply and round again.
+    # For fp32 inputs both casts are no-ops.
+    act = _round_to(act, out_ptr.dtype.element_ty).to(tl.float32)
     out = act * u
-    tl.store(out_ptr + rows64 * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows64 * out_row_stride + cols[None, :], _round_to(out, out_ptr.dtype.element_ty), mask=mask)
 
 
+# In the backward PyTorch's autograd also rounds dy * up to bf16 before applying silu'(gate); that rounding is an
+# artifact of running two separate ops, not part of the function, so this kernel keeps dy * up * silu'(gate) in fp32
+# and rounds once (slightly more accurate). dup = dy * round(silu(gate)) uses the ROUNDED silu, because that is the
+# value the forward really multiplied up with.
 @triton.jit
 def _swiglu_backward_kernel(
-    gate_ptr, up_ptr, dy_ptr, dgate_ptr, dup_ptr,
-    gate_row_stride, up_row_stride, dy_row_stride, dgate_row_stride, dup_row_stride,
-    n_rows, n_cols,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    gate_ptr,          # [n_rows, n_cols] the forward's inputs
+    up_ptr,
+    dy_ptr,            # [n_rows, n_cols] upstream gradient
+    dgate_ptr,         # [n_rows, n_cols] outputs, in gate's dtype; in place they are gate_ptr and up_ptr themselves:
+    dup_ptr,           # safe, because every element of this tile is loaded below before any store to it
+    gate_row_stride,   # each tensor has its own row stride: an upstream gradient need not be laid out like the inputs
+    up_row_stride,
+    dy_row_stride,
+    dgate_row_stride,
+    dup_row_stride,
+    n_rows,            # tokens
+    n_cols,            # the intermediate size
+    BLOCK_ROWS: tl.constexpr,  # rows per tile
+    BLOCK_COLS: tl.constexpr,  # columns per tile
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -118,7 +152,6 @@ def _swiglu_backward_kernel(
 
     g = tl.load(gate_ptr + rows64 * gate_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows64 * up_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # dy has its own row stride: an upstream gradient need not be laid out like the inputs.
     dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     # Recompute instead of saving: sigmoid and silu cost a few instructions, a saved tensor costs HBM traffic.
@@ -126,19 +159,23 @@ def _swiglu_backward_kernel(
     sig = 1.0 / one_plus_exp
     # d(out)/d(up) is the silu value the forward actually used: the forward's expression, bit for bit, rounded to
     # the tensor dtype (g * sig could differ from g / (1 + exp(-g)) in the last fp32 bit and round differently).
-    act = (g / one_plus_exp).to(dup_ptr.dtype.element_ty).to(tl.float32)
+    act = _round_to(g / one_plus_exp, dup_ptr.dtype.element_ty).to(tl.float32)
     dup = dy * act
     # d(out)/d(gate) = up * silu'(g), silu'(g) = s + g * s * (1 - s) = s * (1 + g * (1 - s)); kept in fp32 until
     # the single final rounding.
     dgate = dy * u * sig * (1.0 + g * (1.0 - sig))
 
-    tl.store(dgate_ptr + rows64 * dgate_row_stride + cols[None, :], dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + rows64 * dup_row_stride + cols[None, :], dup.to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + rows64 * dgate_row_stride + cols[None, :], _round_to(dgate, dgate_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(dup_ptr + rows64 * dup_row_stride + cols[None, :], _round_to(dup, dup_ptr.dtype.element_ty), mask=mask)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launchers: validate, view as 2-D, pick tile sizes, launch
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+# 2. Launchers
+# ----------------------------------------------------------------------------------------------------------------------
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_pair(gate, up, who):
     """Raise a clear error for inputs the kernels cannot take (instead of reading garbage or crashing)."""
     for name, t in (("gate", gate), ("up", up)):
@@ -154,21 +191,13 @@ def _check_pair(gate, up, who):
         raise TypeError(f"{who}: gate and up must have the same dtype, got {gate.dtype} and {up.dtype}")
     if gate.device != up.device:
         raise ValueError(f"{who}: gate and up must be on the same device, got {gate.device} and {up.device}")
-    _check_kernel_device(gate.device, who)
-
-
-def _check_kernel_device(device, who):
-    # Compiled Triton kernels need CUDA tensors; only the CPU interpreter reads CPU (numpy-backed) memory.
-    if device.type == "cuda" or (device.type == "cpu" and INTERPRETING):
-        return
-    where = "the CPU interpreter (TRITON_INTERPRET=1)" if INTERPRETING else "CUDA (move the tensors with .cuda())"
-    raise ValueError(f"{who}: tensors are on {device}, but the Triton kernel runs on {where}")
+    _check_device(who, "gate", gate)
 
 
 def _on_tensor_device(t):
-    """Triton launches on the CURRENT CUDA device; switch to t's GPU only when it is another one. Entering
-    torch.cuda.device() on every call is not free: while this launcher did so, swapping in the fused MLPs raised a
-    host-bound 8B fine-tune step at 1x512 from 148 to 192 ms on the H200 machine."""
+    """Triton launches on the CURRENT CUDA device: switch to t's GPU only when it is another one, because entering
+    torch.cuda.device() on every call costs host time in a host-bound step (measured on an H200, see
+    results/NOTES.md)."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
@@ -182,32 +211,32 @@ def _as_rows(t):
     return t2d
 
 
-def _launch_config(n_rows, n_cols, block_size, block_rows, num_warps):
-    """Tile shape and warps. block_size (columns per tile), block_rows and num_warps override the defaults
-    (for a block-size sweep on the GPU); tile dimensions must be powers of two (tl.arange needs them)."""
+def _launch_config(n_rows, n_cols, block_size, block_rows):
+    """(grid, BLOCK_ROWS, BLOCK_COLS, num_warps). block_size (columns per tile) and block_rows override the tile, for
+    tests: they make a small tensor span many tiles on both axes. Tile dimensions are powers of two (tl.arange)."""
     for name, value in (("block_size", block_size), ("block_rows", block_rows)):
         if value is not None and (value < 1 or value & (value - 1)):
             raise ValueError(f"{name} must be a positive power of two, got {value}")
-    # GPU: 8192 elements and 8 warps per program. Measured on an H200 at [16384, 14336] bf16 (24 tile shapes): this
-    # one moved 99% of copy bandwidth forward and 98% backward; 1024-4096-element tiles 96-98%; 8192 x 2 rows with
-    # 4 warps only 48% backward (register spills). CPU interpreter: big tiles, because each program costs ~1 ms.
-    elements_per_tile = 16384 if INTERPRETING else 8192
+    # GPU: 8192 elements and 8 warps per program, the fastest tile shape measured on an H200 (see results/NOTES.md).
+    # CPU interpreter: bigger tiles, because it pays ~1 ms per program.
+    elements_per_tile = 16384 if INTERPRETER else 8192
     block_cols = block_size or min(triton.next_power_of_2(n_cols), elements_per_tile)
     block_rows = block_rows or max(1, min(elements_per_tile // block_cols, triton.next_power_of_2(n_rows)))
-    num_warps = num_warps or (8 if block_rows * block_cols >= 2048 else 4)
+    num_warps = 8 if block_rows * block_cols >= 2048 else 4
     grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))  # rows on axis 0 (limit 2^31 - 1)
     return grid, block_rows, block_cols, num_warps
 
 
-def swiglu_forward(gate, up, *, block_size=None, block_rows=None, num_warps=None):
-    """out = round(round(silu(gate)) * up), same shape and dtype as gate. Not differentiable (see `swiglu`)."""
+def swiglu_forward(gate, up, *, block_size=None, block_rows=None):
+    """out = round(round(silu(gate)) * up), same shape and dtype as gate. Not differentiable (see `swiglu`).
+    block_size / block_rows: tile overrides for tests."""
     _check_pair(gate, up, "swiglu_forward")
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # contiguous, whatever gate's layout
     if gate.numel() == 0:
         return out
     gate2d, up2d, out2d = _as_rows(gate), _as_rows(up), out.view(-1, out.shape[-1])
     n_rows, n_cols = gate2d.shape
-    grid, block_r, block_c, warps = _launch_config(n_rows, n_cols, block_size, block_rows, num_warps)
+    grid, block_r, block_c, warps = _launch_config(n_rows, n_cols, block_size, block_rows)
     with _on_tensor_device(gate):
         _swiglu_forward_kernel[grid](
             gate2d, up2d, out2d,
@@ -218,13 +247,13 @@ def swiglu_forward(gate, up, *, block_size=None, block_rows=None, num_warps=None
     return out
 
 
-def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=None, num_warps=None):
+def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=None):
     """(dgate, dup) for out = silu(gate) * up, in gate's dtype.
 
     By default in fresh contiguous buffers (the inputs are untouched, so anything else still holding gate or up stays
-    valid). inplace=True writes dgate over gate and dup over up when both are contiguous and in separate storages
-    (each program reads its tile before writing the same addresses), so the backward allocates nothing: for a caller
-    whose gate and up are private intermediates, dead after this backward (TritonLlamaMLP's)."""
+    valid). inplace=True writes dgate over gate and dup over up when both are contiguous and in separate storages,
+    so the backward allocates nothing: for a caller whose gate and up are private intermediates, dead after this
+    backward (TritonLlamaMLP's). block_size / block_rows: tile overrides for tests."""
     _check_pair(gate, up, "swiglu_backward")
     if not isinstance(dy, torch.Tensor) or dy.shape != gate.shape:
         got = tuple(dy.shape) if isinstance(dy, torch.Tensor) else type(dy).__name__
@@ -244,7 +273,7 @@ def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=
     gate2d, up2d, dy2d = _as_rows(gate), _as_rows(up), _as_rows(dy)
     dgate2d, dup2d = dgate.view(-1, dgate.shape[-1]), dup.view(-1, dup.shape[-1])
     n_rows, n_cols = gate2d.shape
-    grid, block_r, block_c, warps = _launch_config(n_rows, n_cols, block_size, block_rows, num_warps)
+    grid, block_r, block_c, warps = _launch_config(n_rows, n_cols, block_size, block_rows)
     with _on_tensor_device(gate):
         _swiglu_backward_kernel[grid](
             gate2d, up2d, dy2d, dgate2d, dup2d,
@@ -255,14 +284,17 @@ def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=
     return dgate, dup
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Autograd Function and functional entry point
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------------------
+# 3. Autograd Function, functional API, module, model patching
+# ----------------------------------------------------------------------------------------------------------------------
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, inplace_backward):
         out = swiglu_forward(gate, up)
-        # Save the inputs only; silu(gate) is recomputed in the backward (one tensor per layer less than eager).
+        # Eager autograd saves gate (for silu's backward) AND silu(gate) and up (for the product's backward): three
+        # [tokens, intermediate] tensors per layer. Saving only gate and up and recomputing silu in the backward costs
+        # a few instructions per element and saves one tensor per layer: 8192 tokens x 14336 x 2 bytes = 235 MB per
+        # layer, 7.5 GB over LLaMA-3.1-8B's 32 layers.
         ctx.save_for_backward(gate, up)
         ctx.inplace_backward = inplace_backward
         ctx.backward_done = False
@@ -295,13 +327,10 @@ def swiglu(gate, up, inplace_backward=False):
     return SwiGLUFunction.apply(gate, up, inplace_backward)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# nn.Module: a drop-in replacement for transformers' LlamaMLP
-# ----------------------------------------------------------------------------------------------------------------
 _SILU_CLASS_NAMES = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"] and ACT2FN["swish"] (= nn.SiLU)
 
 
-class TritonLlamaMLP(nn.Module):
+class TritonLlamaMLP(torch.nn.Module):
     """down_proj(swiglu(gate_proj(x), up_proj(x))): LlamaMLP with the elementwise middle fused; the three Linear
     layers (cuBLAS matmuls) and their parameter names are the same as LlamaMLP's."""
 
@@ -309,9 +338,9 @@ class TritonLlamaMLP(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     @classmethod
     def from_llama_mlp(cls, mlp):
@@ -321,7 +350,7 @@ class TritonLlamaMLP(nn.Module):
             if not hasattr(mlp, name):
                 raise TypeError(f"from_llama_mlp: {type(mlp).__name__} has no '{name}'; expected a LlamaMLP")
         act_name = type(mlp.act_fn).__name__
-        if act_name not in _SILU_CLASS_NAMES and mlp.act_fn is not nn.functional.silu:
+        if act_name not in _SILU_CLASS_NAMES and mlp.act_fn is not torch.nn.functional.silu:
             raise ValueError(f"from_llama_mlp: the fused kernel computes silu(gate) * up, but this MLP's act_fn is "
                              f"{act_name} (config.hidden_act must be 'silu')")
         gate_proj = mlp.gate_proj
@@ -332,7 +361,9 @@ class TritonLlamaMLP(nn.Module):
         return new
 
     def forward(self, x):
-        # gate_proj(x) and up_proj(x) exist only here, so the backward may overwrite them with their gradients.
+        # gate_proj(x) and up_proj(x) exist only here, so the backward may overwrite them with their gradients: it
+        # then allocates nothing, two [tokens, intermediate] tensors fewer at the moment the backward of the first MLP
+        # starts, when every layer's activations are still alive (470 MB at 8192 tokens of LLaMA-3.1-8B in bf16).
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
@@ -356,3 +387,53 @@ def replace_llama_mlp(model, expected=None):
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, new)
     return len(replacements)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 4. Run as a script
+# ----------------------------------------------------------------------------------------------------------------------
+def main(argv=None):
+    """One forward+backward on random inputs against float64; one line; exit code 0/1."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=37 if INTERPRETER else 4 * 512,
+                        help="rows (tokens); default: a toy size on the CPU interpreter, 4x512 on a GPU")
+    parser.add_argument("--intermediate", type=int, default=1000 if INTERPRETER else 14336,
+                        help="intermediate size (LLaMA-3.1-8B: 14336)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16", help="dtype of gate and up")
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+
+    torch.manual_seed(0)
+    # gate and up as the two halves of one fused gate_up projection output (row stride 2 * intermediate).
+    gate, up = (torch.randn(args.rows, 2 * args.intermediate, device=KERNEL_DEVICE) * 3).to(dtype).chunk(2, dim=-1)
+    dy = torch.randn(args.rows, args.intermediate, device=KERNEL_DEVICE).to(dtype)
+
+    def run(fn, cast):
+        g, u = cast(gate).requires_grad_(), cast(up).requires_grad_()
+        out = fn(g, u)
+        out.backward(cast(dy))
+        return out.detach(), g.grad, u.grad
+
+    reference = run(lambda g, u: torch.nn.functional.silu(g) * u, lambda t: t.detach().double())
+    torchs = run(lambda g, u: torch.nn.functional.silu(g) * u, lambda t: t.detach())  # transformers' LlamaMLP math
+    ours = run(swiglu, lambda t: t.detach())
+
+    def rel_error(a, ref):
+        return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+    # The tests' rule: no worse than PyTorch in the same dtype times 2, plus one unit in the last place.
+    ok, parts = True, []
+    for name, a, b, ref in zip(("out", "dgate", "dup"), ours, torchs, reference):
+        ours_err, torch_err = rel_error(a, ref), rel_error(b, ref)
+        ok &= ours_err <= 2 * torch_err + torch.finfo(dtype).eps
+        parts.append(f"{name} {ours_err:.2e} (PyTorch {torch_err:.2e})")
+    where = "CPU interpreter" if INTERPRETER else torch.cuda.get_device_name()
+    print(f"swiglu {args.rows}x{args.intermediate} {args.dtype} on {where}, max relative error vs float64: "
+          f"{', '.join(parts)}: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
