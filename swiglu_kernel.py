@@ -63,13 +63,16 @@ def _check_device(who, name, tensor):
 @triton.jit
 def _round_to(x, dtype: tl.constexpr):
     """x (fp32) cast to `dtype`, rounding to nearest even as the GPU does. Triton's CPU interpreter truncates
-    fp32 -> bf16 instead, so there the rounding is done on the bits first: adding 0x7FFF, plus 1 when the last kept
-    bit is odd (ties to even), carries into the upper 16 bits exactly when rounding up; the truncating cast then keeps
-    them. fp16 casts already round there, and on the GPU this is a plain cast."""
+    fp32 -> bf16 instead (and mangles subnormal results), so there the bf16 bits are made directly: adding 0x7FFF, plus
+    1 when the last kept bit is odd (ties to even), carries into the upper 16 bits exactly when rounding up, and those
+    16 bits are the result; NaN becomes the canonical bf16 NaN. fp16 casts already round there, and on the GPU this is
+    a plain cast."""
     if INTERPRETER and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        x = (bits + 0x7FFF + ((bits >> 16) & 1)).to(tl.float32, bitcast=True)
-    return x.to(dtype)
+        upper = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return upper.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
 
 
 __all__ = ["swiglu_forward", "swiglu_backward", "SwiGLUFunction", "swiglu", "TritonLlamaMLP", "replace_llama_mlp"]
