@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ["profile_baseline.py", "rmsnorm_test.py", "cross_entropy_test.py", "swiglu_test.py", "rope_test.py",
+SCRIPTS = ["profile_baseline.py", "rmsnorm_kernel.py", "rmsnorm_test.py", "cross_entropy_kernel.py",
+           "cross_entropy_test.py", "swiglu_kernel.py", "swiglu_test.py", "rope_kernel.py", "rope_test.py",
            "benchmark_kernels.py", "finetune_baseline.py", "finetune_optimized.py"]
 
 
@@ -17,6 +18,9 @@ def test_help(script):
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"usage: {script}" in result.stdout
-    # The test scripts' help is their docstring: how a check passes, not a bare usage line.
+    # The test scripts' help is their docstring: how a check passes, not a bare usage line; a kernel file's help is
+    # its docstring too: what the kernel computes.
     if script.endswith("_test.py"):
         assert "reference" in result.stdout.lower()
+    if script.endswith("_kernel.py"):
+        assert "What it computes" in result.stdout
