@@ -1,12 +1,15 @@
 # The playbook's environment: NVIDIA's PyTorch container (PyTorch, Triton and CUDA inside) plus our small requirements.
 #   docker build -t kernel-playbook .
-#   docker run --gpus all -it --rm --ipc=host -v "$PWD":/workspace -v "$HOME/.cache/huggingface":/root/.cache/huggingface kernel-playbook
+#   docker run --gpus all -it --rm --ipc=host -p 6006:6006 -v "$PWD":/workspace \
+#     -v "$HOME/.cache/huggingface":/root/.cache/huggingface kernel-playbook
+# Inside, `tensorboard --logdir traces/tensorboard --bind_all` serves profile_baseline.py --tensorboard logs on port 6006.
 FROM nvcr.io/nvidia/pytorch:26.01-py3
 
 WORKDIR /workspace
 COPY requirements.txt /tmp/requirements.txt
-# The container's own PyTorch and Triton stay; only what the scripts add on top is installed.
+# The container's own PyTorch and Triton stay; only what the scripts add on top is installed (transformers, accelerate,
+# datasets, huggingface_hub, tensorboard with its PyTorch Profiler plugin, ...).
 RUN pip install --no-cache-dir -r /tmp/requirements.txt
 
-# Print what the playbook's step 1 asks you to verify: PyTorch, Triton, the GPU.
-CMD ["python", "-c", "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__); print('GPU:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"]
+# Print what the playbook's step 1 asks you to verify: PyTorch, Triton, the GPU (and the packages the scripts add).
+CMD ["python", "-c", "import torch, triton, transformers, accelerate, datasets; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__); print('GPU:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"]

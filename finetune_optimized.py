@@ -16,8 +16,15 @@ Everything else -- model, data, optimizer, timing, JSON -- is the baseline's, li
     python finetune_optimized.py --seq-len 8192 --out results/finetune_optimized_1x8192.json
     python finetune_optimized.py --seq-len-search 8192,12288,16384,24576   # longest batch-1 sequence that trains
 
-Model: real weights when they can be loaded offline, otherwise the same architecture with RANDOM weights (said so in
-every output); without a GPU a tiny LLaMA of the same structure. Data: random tokens like the playbook, or --data.
+Model: real weights when they can be loaded offline (a Hub id in the local cache or a local folder written by
+save_pretrained; loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights
+(said so in every output); without a GPU a tiny LLaMA of the same structure. Data: random tokens like the playbook, or
+--data: a folder written by save_to_disk, a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the
+--text-field column of its rows is tokenized and packed into --seq-len windows.
+
+--fsdp shards the model over several processes started by either launcher:
+    torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp
+    accelerate launch --multi_gpu --num_processes 2 finetune_optimized.py --fsdp
 """
 import argparse
 import datetime
@@ -26,6 +33,7 @@ import gc
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,17 +62,19 @@ from swiglu_kernel import replace_llama_mlp
 
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers.utils import is_accelerate_available
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def parse_args(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny",
-                        help='hub id or local path; "tiny" = a 2-layer LLaMA with random weights (CPU runs)')
+                        help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights '
+                             '(CPU runs)')
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend")
     parser.add_argument("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
@@ -73,13 +83,15 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps (after one warm-up step)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=512 if HAS_CUDA else 32,
-                        help="tokens per sequence (32 without a GPU: the Triton interpreter is slow)")
+                        help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
     parser.add_argument("--optimizer", choices=["adamw_foreach", "adamw_fused"], default="adamw_foreach",
                         help="torch AdamW, multi-tensor (foreach) or single fused kernel")
     parser.add_argument("--data", default="synthetic",
-                        help='"synthetic" (random tokens), a local .txt/.jsonl file, or a datasets name')
+                        help='"synthetic" (random tokens), a save_to_disk folder, a local .txt/.json/.jsonl/.parquet/'
+                             '.csv file, or a Hub data set name')
+    parser.add_argument("--text-field", default="text", help="the column of --data that holds the text")
     parser.add_argument("--log-interval", type=int, default=1, help="update the progress bar every N steps")
     parser.add_argument("--seq-len-search", default=None, metavar="L1,L2,...",
                         help="instead of training: after a short warm-up step that creates the optimizer state, one "
@@ -116,9 +128,12 @@ def parse_args(argv=None):
                         help="with checkpointing: after the timed steps, time one step without it (if it fits) and "
                              "report the recompute overhead")
     parser.add_argument("--fsdp", action="store_true",
-                        help="shard the model with FSDP2 over the processes of torchrun --nproc-per-node N; "
-                             "--batch-size is per rank (global batch = N x --batch-size)")
-    parser.add_argument("--out", default=None, help="JSON results path; when not given: runs/<script>_<variant>_<shape>.json")
+                        help="shard the model with FSDP2 over the N processes of torchrun --nproc-per-node N or "
+                             "accelerate launch --multi_gpu --num_processes N; --batch-size is per rank (global batch "
+                             "= N x --batch-size)")
+    parser.add_argument("--out", default=None,
+                        help="JSON results path; when not given: runs/<script>_<model>-<weights>_<variant>_<data>_"
+                             "<optimizer>_<dtype>_<shape>[_fsdpN][_<option>=<value>...].json")
     # -- optimized only: which kernels -------------------------------------------------------------------------------
     parser.add_argument("--loss", choices=["linear_ce", "ce"], default="linear_ce",
                         help="linear_ce: fused linear cross-entropy from the hidden states, no logits at all; "
@@ -131,10 +146,17 @@ def parse_args(argv=None):
                         help="replace every LlamaMLP by one with the fused SwiGLU kernel")
     parser.add_argument("--rope", action=argparse.BooleanOptionalAction, default=True,
                         help="patch transformers' LLaMA apply_rotary_pos_emb with the fused RoPE kernel")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "log_interval", "grad_accum_steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
+        parser.error("--seq-len must be at least 2: the loss predicts each next token, so 1 token has none")
     if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
         parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
     if args.plot and not (args.out or "").endswith(".png"):
@@ -165,15 +187,16 @@ def parse_args(argv=None):
             args.seq_len_search = [int(x) for x in args.seq_len_search.split(",")]
         except ValueError:
             parser.error("--seq-len-search takes comma-separated integers, e.g. 4096,8192,12288")
-        if args.seq_len_search != sorted(set(args.seq_len_search)) or min(args.seq_len_search) <= 0:
-            parser.error("--seq-len-search lengths must be positive and increasing")
+        if args.seq_len_search != sorted(set(args.seq_len_search)) or min(args.seq_len_search) < 2:
+            parser.error("--seq-len-search lengths must be at least 2 and increasing")
     if args.fsdp:
         combined = [name for name in ("seq_len_search", "compile", "liger") if getattr(args, name, None)]  # the last
         if combined:                                                      # two exist in finetune_baseline.py only
             parser.error(f"--fsdp cannot be combined with --{combined[0].replace('_', '-')}")
         if "WORLD_SIZE" not in os.environ:
-            parser.error(f"--fsdp needs the torchrun launcher, e.g. torchrun --standalone --nproc-per-node 2 "
-                         f"{Path(__file__).name} --fsdp (--nproc-per-node 1 for a single process)")
+            parser.error(f"--fsdp needs a distributed launcher, e.g. torchrun --standalone --nproc-per-node 2 "
+                         f"{Path(__file__).name} --fsdp or accelerate launch --multi_gpu --num_processes 2 "
+                         f"{Path(__file__).name} --fsdp (torchrun --nproc-per-node 1 for a single process)")
     return args
 
 
@@ -219,6 +242,28 @@ def run_info():
     }
 
 
+# Options the default JSON name shows in its fixed parts or through the variant (finetune_baseline.py's peers,
+# finetune_optimized.py's kernels), and options that do not change what a run measures.
+NAMED_OPTIONS = {"model", "dtype", "data", "optimizer", "batch_size", "seq_len", "seq_len_search", "fsdp",
+                 "compile", "liger", "loss", "swiglu", "rope"}
+UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights"}
+
+
+def default_out_path(args, weights, dtype, variant, world_size):
+    """runs/<script>_<model>-<weights>_<variant>_<data>_<optimizer>_<dtype>_<shape>[_fsdpN][_<option>=<value>...]
+    .json: every other option that changes the run is in the name when it differs from its default, so runs on other
+    data, shapes or settings never overwrite each other's JSON (which holds all the options)."""
+    defaults = vars(build_parser().parse_args([]))
+    shape = (f"search{'-'.join(map(str, args.seq_len_search))}" if args.seq_len_search
+             else f"{args.batch_size}x{args.seq_len}")
+    data = Path(args.data).name if is_local_path(args.data) else args.data
+    parts = [Path(__file__).stem, f"{Path(args.model).name}-{weights}", variant, data, args.optimizer, dtype, shape]
+    parts += [f"fsdp{world_size}"] if args.fsdp else []
+    parts += [f"{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+              if name not in NAMED_OPTIONS | UNNAMED_OPTIONS and value != defaults[name]]
+    return HERE / "runs" / ("_".join(re.sub(r"[^\w.+=-]+", "-", str(part)) for part in parts) + ".json")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Model: real weights when they can be loaded offline, otherwise the same architecture with random weights
 
@@ -242,13 +287,28 @@ def tiny_llama_config():
                        rope_parameters=dict(ROPE_LLAMA3))
 
 
+def is_local_path(name):
+    """A Hub id is `name` or `org/name`: a name that exists here, starts with / . ~ or has 2 slashes is a local path."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
 def load_model(args, device, dtype):
-    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given."""
+    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given.
+
+    Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read (that
+    placement needs accelerate; without it the weights pass through CPU memory first). A local --model that does not
+    exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
     name = args.model
     if name != "tiny":
+        local = is_local_path(name)
+        if local and not Path(name).expanduser().is_dir():
+            raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
+                             f"save_pretrained; a Hub id has the form org/name)")
+        placement = {"device_map": device} if is_accelerate_available() else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=args.attn_implementation,
-                                                         local_files_only=not args.allow_download)
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name) if local else name, dtype=dtype,
+                                                         attn_implementation=args.attn_implementation,
+                                                         local_files_only=not args.allow_download, **placement)
             return model.to(device), "real"
         except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -257,7 +317,8 @@ def load_model(args, device, dtype):
             if not name.rstrip("/").lower().endswith(("llama-3.1-8b", "llama-3.1-8b-instruct")):
                 raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it")
             where = "" if args.allow_download else " offline"
-            print(f"weights for {name} not available{where} ({reason}): using the same architecture with RANDOM weights")
+            print(f"weights for {name} not available{where} ({reason}): "
+                  f"using the same architecture with RANDOM weights")
     config = tiny_llama_config() if name == "tiny" else llama31_8b_config()
     # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
     with torch.device(device):
@@ -268,44 +329,109 @@ def load_model(args, device, dtype):
 # ----------------------------------------------------------------------------------------------------------------------
 # Data: [n_batches, batch, seq_len] token ids. Labels are the inputs themselves (causal LM); the shift happens below.
 
-def load_token_stream(args, eos_id, tokens_needed):
-    """Token ids of --data as one 1-D tensor (documents joined by EOS), tokenized with the model's tokenizer.
+# A local data file is read by the datasets builder of its format, as load_dataset(<builder>, data_files=...) does.
+DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
-    Offline fallbacks: a model without a tokenizer available offline ("tiny", or weights-less 8B) uses the UTF-8
-    bytes of the text as token ids (0..255, valid for any vocabulary >= 256); a datasets name that is not in the
-    local cache is an error (pass a local file or --allow-download)."""
-    path = Path(args.data)
+
+def data_error(args, what):
+    """The one line a bad --data ends the run with (exit code 1), before anything is trained or written."""
+    return SystemExit(f"error: --data {args.data}: {what}")
+
+
+def data_rows(args):
+    """The rows of --data (dicts holding the --text-field column), the way datasets users keep data sets:
+      - a folder written by save_to_disk: load_from_disk (of a DatasetDict, its "train" split or its only one);
+      - a local .txt/.json/.jsonl/.parquet/.csv file: load_dataset(<builder>, data_files=...), streamed, so a big file
+        is read only as far as the run needs (a .txt file is one document, sample_by="document");
+      - another local folder: load_dataset(folder, streaming=True), which picks the builder from the files in it;
+      - anything else: a data set name on the Hub, from the local cache unless --allow-download.
+    Without the datasets package only a .txt file can be read (as one document, the same row the text builder makes)."""
+    path = Path(args.data).expanduser()
+    if not args.allow_download:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is imported
+    try:
+        import datasets
+    except ImportError:
+        if path.is_file() and path.suffix == ".txt":
+            print(f"the datasets package is not installed: reading {args.data} as one plain-text document")
+            return [{"text": path.read_text(encoding="utf-8")}]
+        raise data_error(args, "reading it needs the datasets package (pip install -r requirements.txt); without it "
+                               "only a .txt file can be used")
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line instead
+    if path.is_dir():
+        if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+            return datasets.load_dataset(str(path), split="train", streaming=True)
+        rows = datasets.load_from_disk(str(path))
+        if isinstance(rows, datasets.DatasetDict):
+            splits = list(rows)
+            if "train" not in splits and len(splits) != 1:
+                raise data_error(args, f"a DatasetDict with the splits {splits} and none called train")
+            rows = rows["train" if "train" in splits else splits[0]]
+        return rows
     if path.is_file():
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".jsonl":  # one JSON object per line, with a "text" field
-            texts = [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
-        else:
-            texts = [text]
-    else:
-        if not args.allow_download:
-            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        try:
-            import datasets
-        except ImportError:
-            raise SystemExit(f"error: --data {args.data}: no such file, and the `datasets` package is not installed")
-        try:
-            texts = datasets.load_dataset(args.data, split="train")["text"]
-        except Exception as err:  # datasets raises many types for "not cached" / "no network" / "no text column"
-            raise SystemExit(f"error: data set {args.data} cannot be loaded"
-                             f"{'' if args.allow_download else ' offline'}: {str(err).strip().splitlines()[0]}")
-    tokenizer = None
+        builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise data_error(args, f"unknown file type {path.suffix or '(none)'}; --data reads "
+                                   f"{', '.join(DATA_FILE_BUILDERS)} files and save_to_disk folders")
+        options = {"sample_by": "document"} if builder == "text" else {}
+        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
+    if is_local_path(args.data) or path.suffix.lower() in DATA_FILE_BUILDERS:
+        raise data_error(args, "no such file or folder")
+    return datasets.load_dataset(args.data, split="train")
+
+
+def text_encoder(args):
+    """text -> token ids with the model's tokenizer. A model without a tokenizer available offline ("tiny", or
+    weights-less 8B) uses the UTF-8 bytes of the text as token ids (0..255, valid for any vocabulary >= 256)."""
     if args.model != "tiny":
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
+            return lambda text: tokenizer(text)["input_ids"]
         except (OSError, ValueError) as err:
             print(f"no tokenizer for {args.model} ({str(err).strip().splitlines()[0]}): using UTF-8 bytes as token ids")
     else:
         print("the tiny model has no tokenizer: using UTF-8 bytes as token ids")
+    return lambda text: list(text.encode("utf-8"))
+
+
+def load_token_stream(args, eos_id, tokens_needed):
+    """Token ids of --data as one 1-D tensor: the --text-field of each row, tokenized, rows joined by EOS; rows with no
+    text (empty or only whitespace) are skipped. A data set that cannot be read, has no such field, is not UTF-8 or
+    holds no text at all ends the run with one error line."""
     ids = []
-    for text in texts:  # stop early: a big corpus needs only as many tokens as the run trains on
-        ids += (tokenizer(text)["input_ids"] if tokenizer else list(text.encode("utf-8"))) + [eos_id]
-        if len(ids) >= tokens_needed:
-            break
+    try:
+        rows = data_rows(args)
+        encode = text_encoder(args)
+        for index, row in enumerate(rows):
+            if args.text_field not in row:
+                raise data_error(args, f"no field {args.text_field!r} (its fields: {', '.join(map(str, row))}); "
+                                       f"name the text column with --text-field")
+            text = row[args.text_field]
+            if not isinstance(text, str):
+                raise data_error(args, f"row {index}: field {args.text_field!r} holds {text!r:.40}, not text")
+            if text.strip():
+                ids += encode(text) + [eos_id]
+            if len(ids) >= tokens_needed:  # stop early: a big corpus needs only as many tokens as the run trains on
+                break
+    except Exception as err:  # datasets raises many types for "not cached", "no network", "not JSON", ...
+        causes = [err]
+        while causes[-1].__cause__ or causes[-1].__context__:
+            causes.append(causes[-1].__cause__ or causes[-1].__context__)
+        bad_bytes = next((e for e in causes if isinstance(e, UnicodeDecodeError)), None)
+        if bad_bytes is not None:
+            raise data_error(args, f"not UTF-8 text (byte 0x{bad_bytes.object[bad_bytes.start]:02x}: "
+                                   f"{bad_bytes.reason}); re-encode it as UTF-8") from None
+        if isinstance(err, StopIteration):  # datasets' json builder on an empty file
+            raise data_error(args, "contains no text") from None
+        reason = next((str(e).strip().splitlines()[0] for e in causes if str(e).strip()), type(err).__name__)
+        if is_local_path(args.data):
+            raise data_error(args, f"cannot be read: {reason}") from None
+        where = "" if args.allow_download else " offline (not in the local cache; --allow-download fetches it)"
+        raise data_error(args, f"cannot be loaded{where}: {reason}") from None
+    if not ids:
+        raise data_error(args, "contains no text" + (f" in field {args.text_field!r}" if args.text_field != "text"
+                                                     else ""))
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -319,8 +445,6 @@ def make_batches(args, n_batches, vocab_size, eos_id, device, rank=0, world_size
         stream = torch.randint(0, vocab_size, (tokens_needed,), generator=generator)
     else:
         stream = load_token_stream(args, eos_id, tokens_needed)
-        if stream.numel() == 0:
-            raise SystemExit(f"error: --data {args.data} contains no text")
         if int(stream.max()) >= vocab_size:
             raise SystemExit(f"error: token id {int(stream.max())} from --data is outside the model's vocabulary "
                              f"({vocab_size})")
@@ -658,8 +782,8 @@ def sync():
 
 
 def init_distributed(args):
-    """(rank, world_size, device). --fsdp: join torchrun's process group, NCCL with one GPU per process
-    (cuda:LOCAL_RANK), gloo on CPU; otherwise one process on the one device."""
+    """(rank, world_size, device). --fsdp: join the process group that torchrun or accelerate launch set up, NCCL
+    with one GPU per process (cuda:LOCAL_RANK), gloo on CPU; otherwise one process on the one device."""
     if not args.fsdp:
         return 0, 1, "cuda" if HAS_CUDA else "cpu"
     device = f"cuda:{os.environ['LOCAL_RANK']}" if HAS_CUDA else "cpu"
@@ -787,9 +911,7 @@ def main(argv=None):
     result = {**info, "script": script, "model": args.model, "weights": weights,
               "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
               "replaced": replaced, "world_size": world_size, "options": vars(args)}
-    out_path = Path(args.out) if args.out else HERE / "runs" / (
-        f"{Path(script).stem}_{variant}_{'search' if args.seq_len_search else shape}"
-        f"{f'_fsdp{world_size}' if args.fsdp else ''}.json")
+    out_path = Path(args.out) if args.out else default_out_path(args, weights, result["dtype"], variant, world_size)
 
     if args.seq_len_search:
         # --- longest batch-1 sequence -------------------------------------------------------------------------------
@@ -840,7 +962,7 @@ def main(argv=None):
                                     "results": rows, "longest_trained": longest}
         result["attention_kernels"] = attention_kernels
     else:
-        # --- training --------------------------------------------------------------------------------------------------
+        # --- training ------------------------------------------------------------------------------------------------
         # steps + 1: the warm-up batch. Each rank gets its own rows of the global batches.
         n_micro = args.grad_accum_steps
         batches = make_batches(args, (args.steps + 1) * n_micro, vocab, config.eos_token_id, device, rank, world_size)

@@ -10,7 +10,9 @@ AdamW step, zero_grad -- under torch.profiler and print
   3. the profiled step's peak memory and how many modules the kernel flags replaced.
 
 It writes exactly one Chrome trace per run to traces/ (open it at https://ui.perfetto.dev) and a small JSON summary
-beside it (and to --summary-out). `--compare A.json B.json` prints a before/after table of two summaries.
+beside it (and to --summary-out). With --tensorboard the trace goes to traces/tensorboard/<run>/ instead, for
+TensorBoard's PyTorch Profiler tab (the torch-tb-profiler package): `tensorboard --logdir traces/tensorboard`, then open
+http://localhost:6006 and pick PYTORCH_PROFILER. `--compare A.json B.json` prints a before/after table of two summaries.
 
     python profile_baseline.py                                     # baseline
     python profile_baseline.py --use-custom-rmsnorm --use-linear-ce --use-swiglu --use-rope
@@ -20,12 +22,14 @@ Without a GPU the default model is a tiny LLaMA of the same structure, and the T
 interpreter: the run takes seconds and its times say nothing about a GPU.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +49,7 @@ from swiglu_kernel import replace_llama_mlp
 
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.utils import is_accelerate_available
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
@@ -56,7 +61,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny",
-                        help='hub id or local path; "tiny" = a 2-layer LLaMA with random weights (CPU runs)')
+                        help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights '
+                             '(CPU runs)')
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend")
     parser.add_argument("--allow-download", action="store_true", help="let from_pretrained reach the Hub")
@@ -64,7 +70,7 @@ def parse_args(argv=None):
                         help="fail instead of falling back to random weights when the weights cannot be loaded")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=512 if HAS_CUDA else 32,
-                        help="tokens per sequence (32 without a GPU: the Triton interpreter is slow)")
+                        help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
     parser.add_argument("--optimizer", choices=["adamw_foreach", "adamw_fused"], default="adamw_foreach",
                         help="torch AdamW, multi-tensor (foreach) or single fused kernel")
@@ -80,7 +86,8 @@ def parse_args(argv=None):
                         help="patch LLaMA's apply_rotary_pos_emb with the fused RoPE kernel (rope_kernel)")
     parser.add_argument("--row-limit", type=int, default=20, help="rows of the top-N table")
     parser.add_argument("--tensorboard", action="store_true",
-                        help="write the trace with tensorboard_trace_handler (into traces/tensorboard/) instead")
+                        help="write the trace with tensorboard_trace_handler into traces/tensorboard/<run>/ instead, "
+                             "for TensorBoard's PyTorch Profiler tab: tensorboard --logdir traces/tensorboard")
     parser.add_argument("--trace-dir", default=str(HERE / "traces"), help="where the trace and its summary go")
     parser.add_argument("--summary-out", default=None, help="also write the JSON summary here (e.g. results/...json)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
@@ -89,6 +96,8 @@ def parse_args(argv=None):
     for name in ("batch_size", "seq_len", "row_limit"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
+        parser.error("--seq-len must be at least 2: the loss predicts each next token, so 1 token has none")
     return args
 
 
@@ -156,13 +165,28 @@ def tiny_llama_config():
                        rope_parameters=dict(ROPE_LLAMA3))
 
 
+def is_local_path(name):
+    """A Hub id is `name` or `org/name`: a name that exists here, starts with / . ~ or has 2 slashes is a local path."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
 def load_model(args, device, dtype):
-    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given."""
+    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given.
+
+    Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read (that
+    placement needs accelerate; without it the weights pass through CPU memory first). A local --model that does not
+    exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
     name = args.model
     if name != "tiny":
+        local = is_local_path(name)
+        if local and not Path(name).expanduser().is_dir():
+            raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
+                             f"save_pretrained; a Hub id has the form org/name)")
+        placement = {"device_map": device} if is_accelerate_available() else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=args.attn_implementation,
-                                                         local_files_only=not args.allow_download)
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name) if local else name, dtype=dtype,
+                                                         attn_implementation=args.attn_implementation,
+                                                         local_files_only=not args.allow_download, **placement)
             return model.to(device), "real"
         except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -171,7 +195,8 @@ def load_model(args, device, dtype):
             if not name.rstrip("/").lower().endswith(("llama-3.1-8b", "llama-3.1-8b-instruct")):
                 raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it")
             where = "" if args.allow_download else " offline"
-            print(f"weights for {name} not available{where} ({reason}): using the same architecture with RANDOM weights")
+            print(f"weights for {name} not available{where} ({reason}): "
+                  f"using the same architecture with RANDOM weights")
     config = tiny_llama_config() if name == "tiny" else llama31_8b_config()
     # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
     with torch.device(device):
@@ -288,8 +313,33 @@ def _iter_up(event):
 # ----------------------------------------------------------------------------------------------------------------------
 # --compare: before/after table of two summaries
 
+SUMMARY_KEYS = ("categories", "step_ms", "time_unit", "variant", "shape", "weights")
+
+
+def read_summary(path):
+    """The JSON summary at `path`, or one error line that names the file and says what it is instead."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"error: --compare {path}: no such file")
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"error: --compare {path}: not a JSON file ({err})")
+    categories = summary.get("categories") if isinstance(summary, dict) else None
+    if not (all(key in summary for key in SUMMARY_KEYS) and isinstance(categories, dict)
+            and all(isinstance(categories.get(cat), dict) and {"ms", "pct"} <= categories[cat].keys()
+                    for cat in CATEGORIES)):
+        what = ("a trace; its summary is the .summary.json beside it" if isinstance(summary, dict)
+                and "traceEvents" in summary else "JSON, but not a summary written by profile_baseline.py")
+        raise SystemExit(f"error: --compare {path}: {what}")
+    return summary
+
+
 def compare(path_before, path_after):
-    before, after = (json.loads(Path(p).read_text()) for p in (path_before, path_after))
+    before, after = read_summary(path_before), read_summary(path_after)
+    if before["time_unit"] != after["time_unit"]:  # a CPU run's op times and a GPU run's kernel times
+        raise SystemExit(f"error: --compare: {path_before} is in {before['time_unit']}, {path_after} in "
+                         f"{after['time_unit']}; compare two runs on the same kind of device")
     rows = []
     for cat in CATEGORIES:
         b, a = before["categories"][cat], after["categories"][cat]
@@ -307,6 +357,36 @@ def compare(path_before, path_after):
                    tablefmt="github", disable_numparse=True))
     if b > 0 and a > 0:
         print(f"step {unit}: {b:.2f} -> {a:.2f} ({b / a:.2f}x)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Profiler noise: lines torch's C++ profiler prints on every run that tell the reader nothing -- kineto's markers around
+# the recorded step, and the allocator's note that memory allocated before profiling began (the model, here) has no
+# recorded allocation event.
+
+PROFILER_NOISE = ("] profiler_start", "] profiler_stop",
+                  "Memory block of unknown size was allocated before the profiling started")
+
+
+@contextlib.contextmanager
+def without_profiler_noise():
+    """Drop PROFILER_NOISE lines from stderr. C++ code writes to file descriptor 2 directly, past sys.stderr, so the
+    descriptor itself goes to a temporary file for the block; every other line is passed on when the block ends."""
+    sys.stderr.flush()
+    saved_stderr = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_stderr, 2)
+            os.close(saved_stderr)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(noise in line for noise in PROFILER_NOISE):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -399,15 +479,16 @@ def main(argv=None):
     model_tag = Path(args.model).name
     stem = (f"profile_{model_tag}_{weights}_{shape}_{variant}_{args.optimizer}_"
             f"{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
-    if args.tensorboard:
-        write_trace = tensorboard_trace_handler(str(trace_dir / "tensorboard"), worker_name=stem)
+    if args.tensorboard:  # one TensorBoard run (a folder under --logdir) per profiled step
+        write_trace = tensorboard_trace_handler(str(trace_dir / "tensorboard" / stem))
     else:
         def write_trace(prof):
             prof.export_chrome_trace(str(trace_dir / f"{stem}.json"))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if HAS_CUDA else [])
-    with profile(activities=activities, record_shapes=True, profile_memory=True,
-                 schedule=schedule(wait=0, warmup=1, active=1, repeat=1), on_trace_ready=write_trace) as prof:
+    with without_profiler_noise(), profile(activities=activities, record_shapes=True, profile_memory=True,
+                                           schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+                                           on_trace_ready=write_trace) as prof:
         for step in range(2):
             if step == 1 and HAS_CUDA:  # peak memory of the profiled step only
                 torch.cuda.synchronize()
@@ -419,7 +500,7 @@ def main(argv=None):
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None
 
     if args.tensorboard:
-        trace_files = sorted((trace_dir / "tensorboard").glob(f"{stem}.*.pt.trace.json"))
+        trace_files = sorted((trace_dir / "tensorboard" / stem).glob("*.pt.trace.json"))
         trace_path = trace_files[-1] if trace_files else None
     else:
         trace_path = trace_dir / f"{stem}.json"
@@ -440,7 +521,8 @@ def main(argv=None):
     # --- category summary ---------------------------------------------------------------------------------------
     totals_us, step_us = category_summary(events)
     time_unit = "device ms" if HAS_CUDA else "CPU self ms"
-    categories = {cat: {"ms": us / 1e3, "pct": 100.0 * us / step_us if step_us else 0.0} for cat, us in totals_us.items()}
+    categories = {cat: {"ms": us / 1e3, "pct": 100.0 * us / step_us if step_us else 0.0}
+                  for cat, us in totals_us.items()}
     print(tabulate([[cat, f"{v['ms']:.3f}", f"{v['pct']:.1f}"] for cat, v in categories.items()]
                    + [["step total", f"{step_us / 1e3:.3f}", "100.0"]],
                    headers=["category", time_unit, "% of step"], tablefmt="github", disable_numparse=True))

@@ -10,7 +10,15 @@
 - The optimized loss paths give transformers' own loss, model(input_ids, labels=labels).loss, with labels containing
   -100 (same shift, same denominator), and the same gradients.
 - The seq-len search reports the longest length that trained (its out-of-memory handling: test_long_context.py).
+- --data reads each way datasets users keep a data set (save_to_disk folders, json/jsonl/parquet/csv/text files, a
+  folder of data files), written by the test: the token stream must equal the reference, the UTF-8 bytes of every
+  row's --text-field with EOS after each and empty rows skipped. Without the datasets package a .txt file still reads.
+- A model saved with save_pretrained loads from its folder as "real weights", placed with device_map, bit-identical.
+- The default JSON names of runs that differ in data, optimizer, shape, variant or any other option differ.
+- The code the scripts share (model, data, names, run information) is identical in both fine-tune scripts, and the
+  model loading in profile_baseline.py too.
 """
+import inspect
 import json
 import os
 import subprocess
@@ -24,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
 import finetune_baseline  # noqa: E402
+import profile_baseline  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 30
@@ -156,3 +165,151 @@ def test_liger_without_gpu_is_a_clear_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert proc.returncode != 0 and "--liger needs" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --data, local models, default names, shared code
+
+ROWS = ["First document.", "", "   ", "Zweites Dokument: gr\u00fc\u00dfe, caf\u00e9 \u2013 \u4e2d\u6587", "third"]
+EOS = 2
+
+
+def expected_stream(texts):
+    """The reference: UTF-8 bytes of each row with text (the tiny model has no tokenizer), EOS after each."""
+    return [i for text in texts if text.strip() for i in [*text.encode("utf-8"), EOS]]
+
+
+def write_data_set(kind, folder):
+    """Writes ROWS the way `kind` keeps a data set; returns (the --data path, the --text-field, the texts in order)."""
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_dict({"body": ROWS, "id": list(range(len(ROWS)))})
+    if kind == "save_to_disk":
+        rows.rename_column("body", "text").save_to_disk(folder / "disk")
+        return folder / "disk", "text", ROWS
+    if kind == "save_to_disk_dict":  # the "train" split of a DatasetDict
+        datasets.DatasetDict({"train": rows, "test": rows.select([0])}).save_to_disk(folder / "dict")
+        return folder / "dict", "body", ROWS
+    if kind == "json":  # one JSON array of objects
+        (folder / "rows.json").write_text(json.dumps([{"text": text} for text in ROWS]), encoding="utf-8")
+        return folder / "rows.json", "text", ROWS
+    if kind == "jsonl":
+        (folder / "rows.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in ROWS), encoding="utf-8")
+        return folder / "rows.jsonl", "body", ROWS
+    if kind == "parquet":
+        rows.to_parquet(str(folder / "rows.parquet"))
+        return folder / "rows.parquet", "body", ROWS
+    if kind == "csv":
+        # csv has no empty string (an empty cell reads back as None): only the rows with text are written
+        rows.filter(lambda row: row["body"].strip() != "").rename_column("body", "text").to_csv(
+            str(folder / "rows.csv"), index=False)
+        return folder / "rows.csv", "text", ROWS
+    if kind == "txt":  # one document: the whole file
+        (folder / "doc.txt").write_text("\n".join(ROWS), encoding="utf-8")
+        return folder / "doc.txt", "text", ["\n".join(ROWS)]
+    if kind == "folder":  # a folder of data files: datasets picks the json builder
+        (folder / "files").mkdir()
+        for i, text in enumerate(ROWS):
+            (folder / "files" / f"part{i}.jsonl").write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+        return folder / "files", "text", ROWS
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("module", [finetune_baseline, finetune_optimized], ids=["baseline", "optimized"])
+@pytest.mark.parametrize("kind", ["save_to_disk", "save_to_disk_dict", "json", "jsonl", "parquet", "csv", "txt",
+                                  "folder"])
+def test_data_formats(kind, module, tmp_path):
+    data, field, texts = write_data_set(kind, tmp_path)
+    args = module.parse_args(["--model", "tiny", "--data", str(data), "--text-field", field])
+    stream = module.load_token_stream(args, EOS, tokens_needed=10**6)
+    assert stream.tolist() == expected_stream(texts)
+    # a run needs fewer tokens than the data set holds: reading stops once it has them
+    assert len(module.load_token_stream(args, EOS, tokens_needed=5)) == len(expected_stream(texts[:1]))
+
+
+def test_txt_without_datasets_package(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    (tmp_path / "doc.txt").write_text("\n".join(ROWS), encoding="utf-8")
+    args = finetune_baseline.parse_args(["--model", "tiny", "--data", str(tmp_path / "doc.txt")])
+    assert finetune_baseline.load_token_stream(args, EOS, 10**6).tolist() == expected_stream(["\n".join(ROWS)])
+    assert "datasets package is not installed" in capsys.readouterr().out
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(SystemExit, match="needs the datasets package"):
+        finetune_baseline.load_token_stream(finetune_baseline.parse_args(["--data", str(tmp_path / "rows.jsonl")]),
+                                            EOS, 10**6)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """A tiny LLaMA with random weights, saved by save_pretrained: a local model folder."""
+    folder = tmp_path_factory.mktemp("model") / "tiny-llama"
+    model = tiny_model_with_random_norms(seed=5)
+    model.save_pretrained(folder)
+    return folder, model.state_dict()
+
+
+@pytest.mark.parametrize("module", [finetune_baseline, profile_baseline], ids=["finetune", "profile"])
+def test_local_model_loads_real_weights_with_device_map(saved_model, module, monkeypatch):
+    pytest.importorskip("accelerate")
+    folder, state = saved_model
+    calls = []
+    from_pretrained = module.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(module.AutoModelForCausalLM, "from_pretrained", spy)
+    args = module.parse_args(["--model", str(folder)])
+    model, weights = module.load_model(args, "cpu", torch.float32)
+    assert weights == "real" and calls[0]["device_map"] == "cpu"
+    loaded = model.state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[name], state[name]) for name in state)
+
+
+def test_local_model_and_data_end_to_end(saved_model, tmp_path):
+    data, field, _ = write_data_set("parquet", tmp_path)
+    result, stdout = run_script("finetune_baseline.py", tmp_path, "local", "--model", str(saved_model[0]),
+                                "--data", str(data), "--text-field", field, "--steps", "2", "--seq-len", "16")
+    assert result["weights"] == "real" and "(real weights)" in stdout
+    assert result["options"]["data"] == str(data) and result["options"]["text_field"] == "body"
+    assert len(result["losses"]) == 2
+
+
+def default_name(module, *flags, weights="random", variant="baseline", world_size=1):
+    args = module.parse_args(["--model", "tiny", "--seq-len", "32", *flags])
+    return module.default_out_path(args, weights, "float32", variant, world_size).name
+
+
+def test_default_json_names_tell_runs_apart(monkeypatch):
+    assert (default_name(finetune_baseline)
+            == "finetune_baseline_tiny-random_baseline_synthetic_adamw_foreach_float32_1x32.json")
+    assert (default_name(finetune_optimized, "--data", "/data/wiki.jsonl", "--lce-chunk-size", "256",
+                         variant="rmsnorm+linear_ce+swiglu+rope")
+            == "finetune_optimized_tiny-random_rmsnorm+linear_ce+swiglu+rope_wiki.jsonl_adamw_foreach_float32_1x32"
+               "_lce-chunk-size=256.json")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    runs = [(), ("--data", "a.jsonl"), ("--data", "b.parquet"), ("--data", "org/corpus"), ("--data", "b.parquet",
+            "--text-field", "body"), ("--optimizer", "adamw_fused"), ("--batch-size", "2"), ("--seq-len", "64"),
+            ("--lr", "1e-3"), ("--steps", "5"), ("--seed", "1"), ("--attn-implementation", "eager"),
+            ("--seq-len-search", "8,16"), ("--fsdp",)]  # the dtype is in the name as the run resolves it
+    names = [default_name(finetune_baseline, *flags) for flags in runs]
+    names += [default_name(finetune_baseline, weights="real"), default_name(finetune_baseline, variant="compile")]
+    assert len(set(names)) == len(names), names
+    # what does not change the run does not change the name
+    assert default_name(finetune_baseline, "--log-interval", "5", "--allow-download") == names[0]
+
+
+SHARED = ["git_info", "run_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model",
+          "data_error", "data_rows", "text_encoder", "load_token_stream", "make_batches", "shift_labels_of",
+          "default_out_path", "seq_len_search", "sync", "init_distributed"]
+
+
+def test_shared_code_is_identical():
+    for name in SHARED:
+        assert inspect.getsource(getattr(finetune_baseline, name)) == \
+            inspect.getsource(getattr(finetune_optimized, name)), name
+    for name in ["ROPE_LLAMA3", "DATA_FILE_BUILDERS", "NAMED_OPTIONS", "UNNAMED_OPTIONS", "DTYPES"]:
+        assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
+    for name in ["git_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model"]:
+        assert inspect.getsource(getattr(finetune_baseline, name)) == \
+            inspect.getsource(getattr(profile_baseline, name)), name

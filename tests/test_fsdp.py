@@ -1,5 +1,6 @@
-"""--fsdp of finetune_baseline.py and finetune_optimized.py: two torchrun processes (gloo, CPU, fp32, Triton
-interpreter) on the tiny LLaMA against one process on the same global data.
+"""--fsdp of finetune_baseline.py and finetune_optimized.py: two processes (gloo, CPU, fp32, Triton interpreter) on the
+tiny LLaMA against one process on the same global data. Both launchers start them: torchrun, and accelerate launch
+(--multi_gpu, which runs torch's own launcher underneath, so the script sees the same environment variables).
 
 With --fsdp each rank trains rows rank::world_size of the global batches that one process with --batch-size
 world_size x batch_size trains on; every row has the same number of labelled tokens, so the mean of the ranks' losses
@@ -24,10 +25,18 @@ import finetune_baseline  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 30
 WORLD_SIZE = 2
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE)],
+    # --main_process_port 0: a free port, like torchrun's --standalone
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                   "--num_processes", str(WORLD_SIZE), "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", "--main_process_port", "0"],
+}
 
 
 def run(launcher, script, out, *flags):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    # CPU on every machine (no GPU visible): gloo ranks, the kernels on the Triton interpreter.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [*launcher, str(ROOT / script), "--model", "tiny", "--steps", "3", "--seq-len", "16", "--lr", "1e-3",
            "--out", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -35,12 +44,15 @@ def run(launcher, script, out, *flags):
     return json.loads(out.read_text()), proc.stdout
 
 
-@pytest.mark.parametrize("script", ["finetune_optimized.py", "finetune_baseline.py"])
-def test_fsdp_two_ranks_match_one_process(script, tmp_path):
+@pytest.mark.parametrize("script, launcher", [("finetune_optimized.py", "torchrun"),
+                                              ("finetune_baseline.py", "torchrun"),
+                                              ("finetune_baseline.py", "accelerate")])
+def test_fsdp_two_ranks_match_one_process(script, launcher, tmp_path):
+    if launcher == "accelerate":
+        pytest.importorskip("accelerate")
     data = tmp_path / "data.txt"
     data.write_text(TEXT)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE)]
-    sharded, stdout = run(torchrun, script, tmp_path / "fsdp.json", "--fsdp", "--data", str(data))
+    sharded, stdout = run(LAUNCHERS[launcher], script, tmp_path / "fsdp.json", "--fsdp", "--data", str(data))
     single, _ = run([sys.executable], script, tmp_path / "single.json", "--data", str(data),
                     "--batch-size", str(WORLD_SIZE))
 
@@ -61,7 +73,8 @@ def test_fsdp_bad_combinations_are_clear_errors(module, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit):
         module.parse_args(["--fsdp"])
-    assert "--fsdp needs the torchrun launcher" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--fsdp needs a distributed launcher" in err and "torchrun" in err and "accelerate launch" in err
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     combos = [["--seq-len-search", "8,16"]] + ([["--compile"], ["--liger"]] if module is finetune_baseline else [])

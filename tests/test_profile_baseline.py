@@ -1,25 +1,38 @@
 """Smoke tests of profile_baseline.py on the tiny LLaMA (CPU, Triton interpreter): it runs end to end with and without
-the kernel flags, writes exactly one loadable Chrome trace and a summary whose categories are filled in, and
---compare prints a before/after table."""
+the kernel flags, writes exactly one loadable Chrome trace and a summary whose categories are filled in, prints none
+of the profiler's noise lines, and --compare prints a before/after table. The --tensorboard log is opened by the reader
+it is written for: TensorBoard with its PyTorch Profiler plugin (torch-tb-profiler), served on localhost and asked
+for the run's views, overview, operator table and trace, as the browser tab asks.
+"""
+import gzip
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CATEGORIES = ["matmul", "attention", "RMSNorm", "SwiGLU", "loss", "optimizer", "memory copies", "other elementwise"]
+# What torch's C++ profiler prints on every run unless profile_baseline.py filters it out.
+PROFILER_NOISE = ["profiler_start", "profiler_stop", "Memory block of unknown size"]
 
 
 def run_profile(tmp_path, *flags):
+    """Runs the profiler; returns (stdout, stderr)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, str(ROOT / "profile_baseline.py"), "--model", "tiny", "--seq-len", "32",
            "--trace-dir", str(tmp_path), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return proc.stdout, proc.stderr
 
 
 def check_trace(path):
@@ -30,20 +43,20 @@ def check_trace(path):
 @pytest.fixture(scope="module")
 def baseline_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("baseline")
-    out = run_profile(tmp_path, "--summary-out", str(tmp_path / "baseline.json"))
-    return tmp_path, out, json.loads((tmp_path / "baseline.json").read_text())
+    out, err = run_profile(tmp_path, "--summary-out", str(tmp_path / "baseline.json"))
+    return tmp_path, out, json.loads((tmp_path / "baseline.json").read_text()), err
 
 
 @pytest.fixture(scope="module")
 def kernels_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("kernels")
-    out = run_profile(tmp_path, "--use-custom-rmsnorm", "--use-linear-ce", "--use-swiglu", "--use-rope",
-                      "--summary-out", str(tmp_path / "kernels.json"))
-    return tmp_path, out, json.loads((tmp_path / "kernels.json").read_text())
+    out, err = run_profile(tmp_path, "--use-custom-rmsnorm", "--use-linear-ce", "--use-swiglu", "--use-rope",
+                           "--summary-out", str(tmp_path / "kernels.json"))
+    return tmp_path, out, json.loads((tmp_path / "kernels.json").read_text()), err
 
 
 def test_baseline_writes_one_trace_and_a_summary(baseline_run):
-    tmp_path, out, summary = baseline_run
+    tmp_path, out, summary, _ = baseline_run
     traces = [p for p in tmp_path.glob("profile_*.json") if not p.name.endswith(".summary.json")]
     assert len(traces) == 1 and summary["trace"] == str(traces[0])
     check_trace(traces[0])
@@ -56,8 +69,15 @@ def test_baseline_writes_one_trace_and_a_summary(baseline_run):
     assert summary["top_ops"] and all(op["name"] != "Command Buffer Full" for op in summary["top_ops"])
 
 
+def test_no_profiler_noise(baseline_run, kernels_run):
+    for run in (baseline_run, kernels_run):
+        assert not [noise for noise in PROFILER_NOISE if noise in run[1] + run[3]], run[3][-2000:]
+    if not torch.cuda.is_available():  # TRITON_INTERPRET is set (conftest): not even the interpreter's notice
+        assert baseline_run[3] == ""
+
+
 def test_baseline_categories(baseline_run):
-    _, _, summary = baseline_run
+    _, _, summary, _ = baseline_run
     cats = summary["categories"]
     assert list(cats) == CATEGORIES
     assert sum(c["ms"] for c in cats.values()) == pytest.approx(summary["step_ms"], rel=1e-6)
@@ -68,7 +88,7 @@ def test_baseline_categories(baseline_run):
 
 
 def test_kernel_flags(kernels_run):
-    tmp_path, out, summary = kernels_run
+    tmp_path, out, summary, _ = kernels_run
     # 2 * layers + 1 norms, one MLP and one attention (calling the patched RoPE) per layer
     assert summary["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2, "rope_attention": 2}
     assert summary["variant"] == "rmsnorm+linear_ce+swiglu+rope"
@@ -97,11 +117,64 @@ def test_compare(baseline_run, kernels_run):
 def test_custom_ce_and_tensorboard(tmp_path):
     run_profile(tmp_path, "--use-custom-ce", "--tensorboard", "--summary-out", str(tmp_path / "ce.json"))
     summary = json.loads((tmp_path / "ce.json").read_text())
-    tb_traces = list((tmp_path / "tensorboard").glob("*.pt.trace.json"))
+    tb_traces = list((tmp_path / "tensorboard").glob("*/*.pt.trace.json"))  # one run folder per profiled step
     assert len(tb_traces) == 1 and summary["trace"] == str(tb_traces[0])  # one trace, written by the handler only
     assert not [p for p in tmp_path.glob("profile_*.json") if not p.name.endswith(".summary.json")]
     check_trace(tb_traces[0])
     assert summary["variant"] == "ce" and summary["categories"]["loss"]["ms"] > 0
+
+    pytest.importorskip("torch_tb_profiler")
+    run = tb_traces[0].parent.name
+    answers = ask_tensorboard(tmp_path / "tensorboard", run)
+    assert answers["runs"] == [run]
+    assert {"Overview", "Operator", "Trace"} <= set(answers["views"])
+    assert answers["overview"]["steps"]["rows"]  # the step-time breakdown of the profiled step
+    ops = {row["name"] for row in answers["operators"]["data"]}
+    assert {"aten::mm", "aten::_foreach_mul_"} & ops and len(ops) > 20
+    assert len(answers["trace"]["traceEvents"]) > 100
+
+
+def ask_tensorboard(logdir, run):
+    """Serves logdir with TensorBoard on a free localhost port and asks its PyTorch Profiler plugin what the browser
+    tab asks: the runs, the run's views, its overview, its operator table and its trace."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = logdir.parent / "tensorboard.log"
+    with open(log, "w") as log_file:
+        server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+                                   "--host", "127.0.0.1", "--port", str(port)], stdout=log_file, stderr=log_file)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never through a proxy
+
+    def get(route, **query):
+        url = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/{route}?{urllib.parse.urlencode(query)}"
+        with opener.open(url, timeout=30) as response:
+            body = response.read()
+            return json.loads(gzip.decompress(body) if response.headers.get("Content-Encoding") == "gzip" else body)
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the server starts, then loads the run in the background
+            try:
+                runs = get("runs")
+                if runs["runs"] and not runs["loading"]:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        worker = get("workers", run=run, view="Overview")[0]
+        spans = get("spans", run=run, worker=worker)
+        where = {"run": run, "worker": worker, **({"span": spans[0]} if spans else {})}
+        return {"runs": runs["runs"], "views": get("views", run=run), "overview": get("overview", **where),
+                "operators": get("operation/table", group_by="Operation", **where), "trace": get("trace", **where)}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def test_bad_flags_fail():

@@ -1,0 +1,118 @@
+"""Every bad input a user tried ends with one clear error line, a non-zero exit code, and nothing written.
+
+Each case runs a script as a user would (a subprocess, tiny LLaMA, CPU) and passes when: the exit code is not 0,
+stderr holds no Python traceback, its last line is the error and contains the reference wording of the case, and no
+output exists afterwards (no results JSON; no trace, no summary in the trace folder). The bad data sets are written
+by the tests: an empty .txt, a .jsonl without a "text" field, a Latin-1 (not UTF-8) .txt, a .jsonl with a null text,
+a file of an unknown type; --compare gets a missing file, a file that is not JSON, a trace instead of a summary, and
+a CPU summary against a GPU one.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FINETUNE = ["finetune_baseline.py", "finetune_optimized.py"]
+
+
+def write_bad_data(folder):
+    folder.mkdir(exist_ok=True)
+    files = {"empty.txt": b"", "blank.txt": b"  \n\n \n",
+             "notext.jsonl": b'{"content": "hello"}\n{"content": "world"}\n',
+             "latin1.txt": "caf\u00e9 au lait\n".encode("latin-1"),
+             "nulltext.jsonl": b'{"text": "fine"}\n{"text": null}\n',
+             "notes.xyz": b"some text"}
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    return folder
+
+
+def run_failing(cmd, tmp_path, expected):
+    """Runs cmd, checks the failure is one clear line; returns stderr."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines and expected in lines[-1], proc.stderr[-3000:]
+    return proc.stderr
+
+
+# (flags, the reference wording of the error line); {data} is the folder of write_bad_data
+FINETUNE_CASES = {
+    "seq-len-1": (["--seq-len", "1"], "--seq-len must be at least 2"),
+    "model-nonexistent": (["--model", "/nonexistent"], "error: --model /nonexistent: no such directory"),
+    "data-empty": (["--data", "{data}/empty.txt"], "empty.txt: contains no text"),
+    "data-no-text-field": (["--data", "{data}/notext.jsonl"], "notext.jsonl: no field 'text' (its fields: content)"),
+    "data-not-utf8": (["--data", "{data}/latin1.txt"], "latin1.txt: not UTF-8 text (byte 0xe9"),
+}
+# Code shared by both scripts (checked identical in test_finetune.py): these run on the baseline only.
+BASELINE_CASES = {
+    "seq-len-search-1": (["--seq-len-search", "1,8"], "--seq-len-search lengths must be at least 2"),
+    "data-only-whitespace": (["--data", "{data}/blank.txt"], "blank.txt: contains no text"),
+    "data-null-text": (["--data", "{data}/nulltext.jsonl"], "row 1: field 'text' holds None, not text"),
+    "data-missing-file": (["--data", "{data}/missing.jsonl"], "missing.jsonl: no such file or folder"),
+    "data-unknown-type": (["--data", "{data}/notes.xyz"], "notes.xyz: unknown file type .xyz"),
+    "text-field-missing": (["--data", "{data}/notext.jsonl", "--text-field", "body"], "no field 'body'"),
+}
+# Without the datasets package only .txt files can be read: the other data cases need it.
+NEEDS_DATASETS = {"data-no-text-field", "data-null-text", "data-missing-file", "data-unknown-type",
+                  "text-field-missing"}
+
+
+@pytest.mark.parametrize("script, case", [(script, case) for script in FINETUNE for case in FINETUNE_CASES]
+                         + [("finetune_baseline.py", case) for case in BASELINE_CASES])
+def test_finetune_bad_input(script, case, tmp_path):
+    if case in NEEDS_DATASETS:
+        pytest.importorskip("datasets")
+    flags, expected = {**FINETUNE_CASES, **BASELINE_CASES}[case]
+    data = write_bad_data(tmp_path / "data")
+    out = tmp_path / "out.json"
+    flags = [flag.format(data=data) for flag in flags]
+    run_failing([str(ROOT / script), "--model", "tiny", "--steps", "1", "--out", str(out), *flags], tmp_path,
+                expected)
+    assert not out.exists()
+
+
+def run_profile_failing(tmp_path, flags, expected):
+    traces = tmp_path / "traces"
+    summary = tmp_path / "summary.json"
+    run_failing([str(ROOT / "profile_baseline.py"), "--trace-dir", str(traces), "--summary-out", str(summary),
+                 *flags], tmp_path, expected)
+    assert not summary.exists() and not (traces.exists() and any(traces.rglob("*")))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--model", "tiny", "--seq-len", "1"], "--seq-len must be at least 2"),
+    (["--model", "/nonexistent"], "error: --model /nonexistent: no such directory"),
+], ids=["seq-len-1", "model-nonexistent"])
+def test_profile_bad_input(flags, expected, tmp_path):
+    run_profile_failing(tmp_path, flags, expected)
+
+
+def summary_like(time_unit):
+    categories = ["matmul", "attention", "RMSNorm", "SwiGLU", "loss", "optimizer", "memory copies", "other elementwise"]
+    return {"categories": {cat: {"ms": 1.0, "pct": 12.5} for cat in categories}, "step_ms": 8.0,
+            "time_unit": time_unit, "variant": "baseline", "shape": "1x32", "weights": "random"}
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "missing.json: no such file"),
+    ("not-json", "not-json.json: not a JSON file"),
+    ("trace", "trace.json: a trace; its summary is the .summary.json beside it"),
+    ("other-json", "other-json.json: JSON, but not a summary written by profile_baseline.py"),
+    ("units", "is in CPU self ms"),
+])
+def test_compare_bad_input(case, expected, tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(summary_like("CPU self ms")))
+    bad = tmp_path / f"{case}.json"
+    content = {"missing": None, "not-json": "step_ms: 8\n", "trace": json.dumps({"traceEvents": []}),
+               "other-json": json.dumps({"step_ms": 8.0}), "units": json.dumps(summary_like("device ms"))}[case]
+    if content is not None:
+        bad.write_text(content)
+    run_profile_failing(tmp_path, ["--compare", str(good), str(bad)], expected)
