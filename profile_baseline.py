@@ -105,8 +105,12 @@ def parse_args(argv=None):
 # Run information: what ran, where, with which versions (goes into every header and JSON)
 
 def git_info():
-    """(short commit, dirty?) of the checkout; outside a git checkout (a copied tree on a GPU box) the GIT_COMMIT
-    and GIT_DIRTY environment variables say which commit the copy was taken from."""
+    """(short commit, dirty?) of the checkout. The GIT_COMMIT and GIT_DIRTY environment variables, when set, say
+    which commit a copied tree was taken from and take precedence: a copy on a GPU box may carry no .git, or a stale
+    one."""
+    if "GIT_COMMIT" in os.environ:
+        return os.environ["GIT_COMMIT"], os.environ.get("GIT_DIRTY") not in (None, "0")
+
     def git(*cmd):
         return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
     try:
@@ -115,7 +119,7 @@ def git_info():
             return head.stdout.strip(), bool(git("status", "--porcelain").stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("GIT_COMMIT", "uncommitted"), os.environ.get("GIT_DIRTY") not in (None, "0")
+    return "uncommitted", False
 
 
 def run_info():

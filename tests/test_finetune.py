@@ -301,14 +301,17 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 
 SHARED = ["git_info", "run_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model",
           "data_error", "data_rows", "text_encoder", "load_token_stream", "make_batches", "shift_labels_of",
-          "default_out_path", "seq_len_search", "sync", "init_distributed"]
+          "default_out_path", "seq_len_search", "sync", "init_distributed", "keep_attention_outputs",
+          "AttentionKernelRecorder", "ActivationOffloader", "TiledMLPFunction", "tile_mlps",
+          "enable_activation_checkpointing", "optimizer_in_backward", "flag_summary", "plot_memory"]
 
 
 def test_shared_code_is_identical():
     for name in SHARED:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(finetune_optimized, name)), name
-    for name in ["ROPE_LLAMA3", "DATA_FILE_BUILDERS", "NAMED_OPTIONS", "UNNAMED_OPTIONS", "DTYPES"]:
+    for name in ["ROPE_LLAMA3", "DATA_FILE_BUILDERS", "NAMED_OPTIONS", "UNNAMED_OPTIONS", "DTYPES",
+                 "ATTENTION_KERNELS"]:
         assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
     for name in ["git_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model"]:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
