@@ -810,7 +810,7 @@ class _LossTerms:
         if self.n_valid is None and (reduction == "mean" or return_token_accuracy):
             self.n_valid = (self.targets_flat != ignore_index).sum()
         z_scale = 1.0 / self.n_valid.to(torch.float32) if weight is not None and reduction == "mean" else self.scale
-        z_loss_on = lse_square_scale != 0 or return_z_loss
+        z_loss_on = lse_square_scale != 0  # return_z_loss alone returns zeros, as Liger does, without kernel work
         self.extras = _Extras(
             weight=None if weight is None else _packed_weight(weight),
             lse_square_scale=float(lse_square_scale) if z_loss_on else None,
@@ -824,11 +824,13 @@ class _LossTerms:
         """The loss (cross-entropy plus z-loss), reduced; with a return_* flag, a CrossEntropyOutput."""
         shape = self.targets.shape
         loss = _reduce(self.losses, self.reduction, self.denominator, shape)
+        return_z_loss, return_token_accuracy, return_predicted_tokens = self.returns
         z_loss = None
         if self.extras.z_losses is not None:
             z_loss = _reduce(self.extras.z_losses, self.reduction, self.n_valid, shape)
             loss = loss + z_loss
-        return_z_loss, return_token_accuracy, return_predicted_tokens = self.returns
+        elif return_z_loss:
+            z_loss = _reduce(torch.zeros_like(self.losses), self.reduction, self.n_valid, shape)
         if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
             return loss
         accuracy = predicted = None
