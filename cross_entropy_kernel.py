@@ -12,9 +12,8 @@ smoothing eps, 0 by default):
 scale is 1 / (number of non-ignored rows) for reduction="mean", 1 otherwise; a row whose target is `ignore_index`
 has loss 0 and gradient exactly 0. The online softmax (Milakov & Gimelshein, 2018) keeps a running max m and a
 running sum d of exp(x - m), rescaling d whenever m grows, so lse = m + log(d) comes out of one streaming pass.
-Optional extras, named as in Liger-Kernel, each a compile-time switch of the same kernels: class weights (PyTorch's
-`weight`), z-loss (+ lse_square_scale * lse^2), softcapping (x -> softcap * tanh(x / softcap)) and the argmax per
-row (predicted tokens, token accuracy); see "Extras" in section 2.
+Optional extras with Liger-Kernel's names, compile-time switches of the same kernels: class weights, z-loss, logit
+softcapping and the argmax per row (token accuracy, predicted tokens); see "Extras" in section 2.
 
 Bytes it must move
 ------------------
