@@ -12,6 +12,8 @@ smoothing eps, 0 by default):
 scale is 1 / (number of non-ignored rows) for reduction="mean", 1 otherwise; a row whose target is `ignore_index`
 has loss 0 and gradient exactly 0. The online softmax (Milakov & Gimelshein, 2018) keeps a running max m and a
 running sum d of exp(x - m), rescaling d whenever m grows, so lse = m + log(d) comes out of one streaming pass.
+Optional extras with Liger-Kernel's names, compile-time switches of the same kernels: class weights, z-loss, logit
+softcapping and the argmax per row (token accuracy, predicted tokens); see "Extras" in section 2.
 
 Bytes it must move
 ------------------
@@ -28,19 +30,21 @@ Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 - lanes: a chunk seen as a [BLOCK_V // 8, 8] tile whose rows each thread holds whole, so reducing axis 1 stays
   inside one thread (no shuffles, no barriers)
 - eviction policies on loads and stores (evict_last / evict_first: which lines L2 should keep)
-- inline PTX with tl.inline_asm_elementwise (a one-instruction exp2), and tl.debug_barrier
+- inline PTX with tl.inline_asm_elementwise (one-instruction exp2 and reciprocal), and tl.debug_barrier
+- optional features as constexpr switches with None arguments (the extras): code that is off is not compiled
 - Part 2, Gluon (triton.experimental.gluon): explicit register layouts, shared-memory buffers, cp.async copies with
   commit_group / wait_group, compile-time schedule functions (triton.constexpr_function)
 
 Limits
 ------
-Class-index targets only (no class weights or probability targets); fp32 arithmetic and loss, gradient in the
-logits' dtype; targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the
-stored gradient in place, so it runs once. Part 2's kernel runs only where it was verified (compute capability 9.x,
-Triton 3.6); every other GPU, and fp32 logits, take the row kernel.
+Class-index targets only (no probability targets); fp32 arithmetic and loss, gradient in the logits' dtype;
+targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the stored gradient in
+place, so it runs once. Part 2's kernel runs only where it was verified (compute capability 9.x, Triton 3.6); every
+other GPU, and fp32 logits, take the row kernel.
 """
 import os
 import sys
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -82,7 +86,7 @@ def _round_to(x, dtype: tl.constexpr):
 
 __all__ = ["cross_entropy", "CrossEntropyFunction", "TritonCrossEntropyLoss", "cross_entropy_forward",
            "cross_entropy_backward", "linear_cross_entropy", "LinearCrossEntropyFunction",
-           "TritonLinearCrossEntropyLoss", "LCE_CHUNK_BUDGET_BYTES"]
+           "TritonLinearCrossEntropyLoss", "CrossEntropyOutput", "LCE_CHUNK_BUDGET_BYTES"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -107,6 +111,17 @@ def _exp2(x, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
+def _reciprocal(x, FAST_EXP2: tl.constexpr):
+    """1 / x. On the GPU one MUFU.RCP instruction (rcp.approx.ftz, within 1 ulp) instead of the IEEE division's
+    dozen; used by the softcap extra only. The interpreter divides."""
+    if FAST_EXP2:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
 def _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2: tl.constexpr):
     """Fold one [N_LANES, LANE_WIDTH] chunk into each lane's running max and running sum of exp(x - max). The max is
     subtracted first, in natural units: x - max is exact for the values close to the max, whereas one multiply-add
@@ -128,10 +143,19 @@ def _merge_lanes(lane_max, lane_sum, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
-def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING: tl.constexpr):
-    """(1 - eps) * (lse - x_target) + (eps / V) * sum_j (lse - x_j), with lse = row_max + log(row_sum)."""
+def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING: tl.constexpr,
+              weight_target=None, weight_total=None, HAS_WEIGHT: tl.constexpr = False):
+    """(1 - eps) * (lse - x_target) + (eps / V) * sum_j (lse - x_j), with lse = row_max + log(row_sum).
+    Extra, class weights w (PyTorch's rule): w_target * (1 - eps) * (lse - x_target) + (eps / V) * sum_j w_j (lse -
+    x_j); then sum_x_tile holds w_j * x_j and weight_total is sum_j w_j."""
     lse = row_max + tl.log(row_sum)
-    if HAS_SMOOTHING:
+    if HAS_WEIGHT:
+        loss = weight_target * (lse - x_target)
+        if HAS_SMOOTHING:
+            sum_wx = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
+            loss = (1.0 - label_smoothing) * loss + (label_smoothing / V) * (weight_total * lse - sum_wx)
+        return loss
+    elif HAS_SMOOTHING:
         sum_x = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
         return lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
     else:
@@ -140,15 +164,25 @@ def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SM
 
 @triton.jit
 def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
-                      HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+                      HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, columns=None, weight_ptr=None,
+                      softcap=None, HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
     """scale * (softmax(x) - eps / V) without the one-hot term (added once per row by the caller). softmax(x) =
     2^((x - row_max) * log2(e) - log2(sum)): a subtraction, one fused multiply-add and one exp2. With a positive scale
-    the caller folds log2(scale) into the offset too (scale * 2^y = 2^(y + log2(scale))); else it is a multiply."""
+    the caller folds log2(scale) into the offset too (scale * 2^y = 2^(y + log2(scale))); else it is a multiply.
+    Extras: class weights make the smoothing term of column j smoothing_term * w_j; a softcap caps x first and
+    multiplies the result by the cap's slope (the chain rule)."""
+    if HAS_SOFTCAP:
+        x = _softcap(x, softcap, FAST_EXP2)
     grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
     if not POSITIVE_SCALE:
         grad = grad * scale
     if HAS_SMOOTHING:
-        grad = grad - smoothing_term
+        if HAS_WEIGHT:
+            grad = grad - smoothing_term * tl.load(weight_ptr + columns)
+        else:
+            grad = grad - smoothing_term
+    if HAS_SOFTCAP:
+        grad = grad * _softcap_slope(x, softcap)
     return grad
 
 
@@ -168,13 +202,22 @@ def _cross_entropy_kernel(
     scale_stride,  # 0: one scale for all rows (a reduction's 1/n, or a scalar grad_output); else per row
     ignore_index,  # rows with this target get loss 0 and gradient 0
     label_smoothing,  # eps in [0, 1]
+    # Extras, None when off (see "Extras" in section 2); each switched on by a constexpr below.
+    weight_ptr,  # class weights: fp32, V of them, their sum at index V, zeros after (to a multiple of BLOCK_V)
+    z_losses_ptr,  # [N] fp32 per-row z-loss, lse_square_scale * lse^2 (output)
+    z_scale_ptr,  # fp32 gradient scale of the z-loss, with scale_stride (differs from scale_ptr's with weights)
+    predicted_ptr,  # [N] int64 argmax per row, -1 on ignored rows (output)
+    lse_square_scale,  # the z-loss coefficient
+    softcap,  # logits -> softcap * tanh(logits / softcap)
     BLOCK_V: tl.constexpr,  # vocabulary chunk handled per loop step (power of 2)
     LANE_WIDTH: tl.constexpr,  # consecutive columns that share one running max/sum (power of 2, divides BLOCK_V)
     HAS_SMOOTHING: tl.constexpr,  # label_smoothing > 0: also accumulate sum(x)
     COMPUTE_GRAD: tl.constexpr,  # run pass 2 (logits need a gradient); otherwise only the loss
     POSITIVE_SCALE: tl.constexpr,  # the scale is known to be > 0 (a reduction's 1/n or 1), so it folds into exp2
-    FAST_EXP2: tl.constexpr,  # one-instruction exp2 (GPU); tl.exp2 on the interpreter
+    FAST_EXP2: tl.constexpr,  # one-instruction exp2 and reciprocal (GPU); tl.exp2 and `/` on the interpreter
     CHUNKS_PER_STEP: tl.constexpr,  # 1 or 2 chunks loaded per loop step, i.e. in flight per thread (see the launcher)
+    HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,  # the extras' switches
+    TRACK_ARGMAX: tl.constexpr,  # the argmax per row (predicted tokens and token accuracy)
 ):
     # A chunk of BLOCK_V columns is handled as a [BLOCK_V // LANE_WIDTH, LANE_WIDTH] tile: row r of the tile holds
     # columns r*LANE_WIDTH .. r*LANE_WIDTH + LANE_WIDTH - 1 of the chunk. Each tile row is one "lane" with its own
@@ -202,6 +245,10 @@ def _cross_entropy_kernel(
         if target == ignore_index:
             # Ignored row: loss 0 and a gradient of exact zeros, written without reading the logits.
             tl.store(losses_ptr + row, 0.0)
+            if HAS_Z_LOSS:
+                tl.store(z_losses_ptr + row, 0.0)
+            if TRACK_ARGMAX:
+                tl.store(predicted_ptr + row, -1)
             if COMPUTE_GRAD:
                 zeros = tl.zeros([N_LANES, LANE_WIDTH], dtype=grad_ptr.dtype.element_ty)
                 for start in tl.range(0, V, BLOCK_V):
@@ -212,18 +259,44 @@ def _cross_entropy_kernel(
             target_ok = (target >= 0) & (target < V)
             x_target = tl.load(logits_row + target, mask=target_ok, other=0.0).to(tl.float32)
             # ---- pass 1: online softmax statistics ----
-            row_max, row_sum, sum_x_tile, x_partial = _row_statistics(
+            row_max, row_sum, sum_x_tile, x_partial, argmax_start = _row_statistics(
                 logits_row, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V, LANE_WIDTH, HAS_SMOOTHING,
-                FAST_EXP2, CHUNKS_PER_STEP)
+                FAST_EXP2, CHUNKS_PER_STEP, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, TRACK_ARGMAX)
             # ---- the loss ----
-            loss = _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING)
+            lse = row_max + tl.log(row_sum)
+            logit_target = x_target
+            weight_target = 1.0
+            weight_total = 1.0
+            if HAS_SOFTCAP:  # extra: the loss sees the capped logit
+                logit_target = _softcap(x_target, softcap, FAST_EXP2)
+            if HAS_WEIGHT:  # extra: the target's class weight, and the sum of all weights (stored at index V)
+                weight_target = tl.load(weight_ptr + target, mask=target_ok, other=0.0)
+                weight_total = tl.load(weight_ptr + V)
+            loss = _row_loss(row_max, row_sum, logit_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING,
+                             weight_target, weight_total, HAS_WEIGHT)
             tl.store(losses_ptr + row, tl.where(target_ok, loss, float("nan")))
+            if HAS_Z_LOSS:  # extra: the z-loss, kept apart from the loss (a mean divides them differently)
+                tl.store(z_losses_ptr + row, lse_square_scale * lse * lse)
+            if TRACK_ARGMAX:
+                # Extra: the LANE_WIDTH logits that hold the argmax (see _argmax_start), read before pass 2 can
+                # overwrite them in place; the barrier puts every thread's read before any thread's store.
+                argmax_columns = argmax_start + tl.arange(0, LANE_WIDTH)
+                x_argmax = tl.load(logits_row + argmax_columns, mask=argmax_columns < V, other=float("-inf"))
+                if COMPUTE_GRAD:
+                    tl.debug_barrier()
             # ---- pass 2: the gradient ----
             if COMPUTE_GRAD:
                 scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+                softmax_scale, target_scale = _gradient_scales(
+                    scale, label_smoothing, V, weight_target, weight_total, lse, lse_square_scale, z_scale_ptr,
+                    row * scale_stride, HAS_WEIGHT, HAS_Z_LOSS)
                 _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, row_max, row_sum, scale,
                               label_smoothing, V, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V,
-                              HAS_SMOOTHING, POSITIVE_SCALE, FAST_EXP2, CHUNKS_PER_STEP)
+                              HAS_SMOOTHING, POSITIVE_SCALE, FAST_EXP2, CHUNKS_PER_STEP, softmax_scale, target_scale,
+                              weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP)
+            if TRACK_ARGMAX:
+                tl.store(predicted_ptr + row, _argmax_in_lane(x_argmax.to(tl.float32), argmax_columns, V, softcap,
+                                                              HAS_SOFTCAP, FAST_EXP2))
 
 
 @triton.jit
@@ -236,45 +309,71 @@ def _row_start(base_ptr, row, rows_per_batch, stride_b, stride_t):
 @triton.jit
 def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V: tl.constexpr,
                     LANE_WIDTH: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr,
-                    CHUNKS_PER_STEP: tl.constexpr):
+                    CHUNKS_PER_STEP: tl.constexpr, weight_ptr=None, softcap=None, HAS_WEIGHT: tl.constexpr = False,
+                    HAS_SOFTCAP: tl.constexpr = False, TRACK_ARGMAX: tl.constexpr = False):
     """Pass 1 over one row: the online softmax, one running max and sum per lane, merged at the end.
-    Returns (row_max, row_sum, sum_x_tile, x_partial); sum_x_tile holds sum(x) per element (label smoothing only),
-    x_partial the row's last, partial chunk, which pass 2 reuses from registers."""
+    Returns (row_max, row_sum, sum_x_tile, x_partial, argmax_start); sum_x_tile holds sum(x) per element (label
+    smoothing only), x_partial the row's last, partial chunk, which pass 2 reuses from registers (before the softcap:
+    pass 2 applies it again), argmax_start (extra, else 0) the first of the LANE_WIDTH columns that hold the row's
+    argmax (see _argmax_start)."""
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
     lane_max = tl.full([N_LANES], float("-inf"), dtype=tl.float32)
     lane_sum = tl.zeros([N_LANES], dtype=tl.float32)  # sum of exp(x - lane_max) over the lane's columns
     # Label smoothing needs sum(x): kept per element and reduced once at the end, not once per chunk.
     sum_x_tile = tl.zeros([N_LANES, LANE_WIDTH], dtype=tl.float32)
+    if TRACK_ARGMAX:
+        lane_chunk = tl.zeros([N_LANES], dtype=tl.int32)  # extra: see _lane_argmax_update
     # loop_unroll_factor=2 puts the loads of two chunks in flight before either is used.
     for i in tl.range(0, n_full, loop_unroll_factor=CHUNKS_PER_STEP):
         # evict_last: keep the row in L2 for pass 2.
         x = tl.load(logits_row + i * BLOCK_V + chunk_offsets, eviction_policy="evict_last").to(tl.float32)
+        if HAS_SOFTCAP:
+            x = _softcap(x, softcap, FAST_EXP2)
+        if TRACK_ARGMAX:
+            lane_chunk = _lane_argmax_update(x, i, lane_max, lane_chunk, IN_ORDER=True)
         lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         if HAS_SMOOTHING:
-            sum_x_tile += x
+            if HAS_WEIGHT:  # extra: sum(w * x)
+                sum_x_tile += x * tl.load(weight_ptr + i * BLOCK_V + chunk_offsets)
+            else:
+                sum_x_tile += x
     # The partial chunk; masked columns read -inf so they count as exp(-inf) = 0.
     x_partial = tl.load(logits_row + partial_offsets, mask=partial_mask, other=float("-inf"),
                         eviction_policy="evict_last").to(tl.float32)
-    lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
+    x = x_partial
+    if HAS_SOFTCAP:
+        x = tl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2), float("-inf"))  # the cap of -inf is finite
+    if TRACK_ARGMAX:
+        lane_chunk = _lane_argmax_update(x, n_full, lane_max, lane_chunk, IN_ORDER=True)
+    lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
     if HAS_SMOOTHING:
-        sum_x_tile += tl.where(partial_mask, x_partial, 0.0)
+        if HAS_WEIGHT:
+            sum_x_tile += tl.where(partial_mask, x, 0.0) * tl.load(weight_ptr + partial_offsets)
+        else:
+            sum_x_tile += tl.where(partial_mask, x, 0.0)
     row_max, row_sum = _merge_lanes(lane_max, lane_sum, FAST_EXP2)
-    return row_max, row_sum, sum_x_tile, x_partial
+    argmax_start = 0
+    if TRACK_ARGMAX:
+        argmax_start = _argmax_start(lane_max, lane_chunk, row_max, tl.arange(0, N_LANES), (n_full + 1) * BLOCK_V,
+                                     BLOCK_V, LANE_WIDTH)
+    return row_max, row_sum, sum_x_tile, x_partial, argmax_start
 
 
 @triton.jit
 def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, row_max, row_sum, scale,
                   label_smoothing, V, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V: tl.constexpr,
                   HAS_SMOOTHING: tl.constexpr, POSITIVE_SCALE: tl.constexpr, FAST_EXP2: tl.constexpr,
-                  CHUNKS_PER_STEP: tl.constexpr):
-    """Pass 2 over one row: dx_j = scale * (softmax_j - eps / V) written chunk by chunk, the target's entry last."""
+                  CHUNKS_PER_STEP: tl.constexpr, softmax_scale, target_scale, weight_ptr=None, softcap=None,
+                  HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
+    """Pass 2 over one row: dx_j = scale * (softmax_j - eps / V) written chunk by chunk, the target's entry last.
+    softmax_scale and target_scale are `scale` but for the extras (see _gradient_scales)."""
     exponent_offset = tl.log2(row_sum)
     if POSITIVE_SCALE:
-        exponent_offset -= tl.log2(scale)
+        exponent_offset -= tl.log2(softmax_scale)
     exponent_offset = tl.where(target_ok, exponent_offset, float("nan"))  # bad target: NaN gradient
     smoothing_term = scale * (label_smoothing / V)
-    grad = _softmax_gradient(x_partial, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
-                             HAS_SMOOTHING, FAST_EXP2)
+    grad = _softmax_gradient(x_partial, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
+                             HAS_SMOOTHING, FAST_EXP2, partial_offsets, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP)
     # evict_first on the loads: this is the last use of the logits; on the stores: this kernel never reads the
     # gradient back. Both leave L2 to the rows that pass 2 has still to re-read.
     tl.store(grad_row + partial_offsets, _round_to(grad, grad_row.dtype.element_ty), mask=partial_mask,
@@ -288,11 +387,12 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
         x_a = tl.load(logits_row + offsets_a, eviction_policy="evict_first").to(tl.float32)
         if CHUNKS_PER_STEP == 2:
             x_b = tl.load(logits_row + offsets_a - BLOCK_V, eviction_policy="evict_first").to(tl.float32)
-        grad_a = _softmax_gradient(x_a, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
-                                   HAS_SMOOTHING, FAST_EXP2)
+        grad_a = _softmax_gradient(x_a, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
+                                   HAS_SMOOTHING, FAST_EXP2, offsets_a, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP)
         if CHUNKS_PER_STEP == 2:
-            grad_b = _softmax_gradient(x_b, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
-                                       HAS_SMOOTHING, FAST_EXP2)
+            grad_b = _softmax_gradient(x_b, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
+                                       HAS_SMOOTHING, FAST_EXP2, offsets_a - BLOCK_V, weight_ptr, softcap, HAS_WEIGHT,
+                                       HAS_SOFTCAP)
         tl.store(grad_row + offsets_a, _round_to(grad_a, grad_row.dtype.element_ty), eviction_policy="evict_first")
         if CHUNKS_PER_STEP == 2:
             tl.store(grad_row + offsets_a - BLOCK_V, _round_to(grad_b, grad_row.dtype.element_ty),
@@ -300,17 +400,98 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
     if CHUNKS_PER_STEP == 2:
         if n_full % 2 == 1:  # chunk 0 is left over
             x = tl.load(logits_row + chunk_offsets, eviction_policy="evict_first").to(tl.float32)
-            grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
-                                     HAS_SMOOTHING, FAST_EXP2)
+            grad = _softmax_gradient(x, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
+                                     HAS_SMOOTHING, FAST_EXP2, chunk_offsets, weight_ptr, softcap, HAS_WEIGHT,
+                                     HAS_SOFTCAP)
             tl.store(grad_row + chunk_offsets, _round_to(grad, grad_row.dtype.element_ty),
                      eviction_policy="evict_first")
     # The one-hot term, -scale * (1 - eps) at the target only: one store instead of a comparison on every value. The
     # barrier orders it after every thread's store of this row (one of which wrote that entry).
     tl.debug_barrier()
-    target_softmax_term = _softmax_gradient(x_target, row_max, exponent_offset, scale, smoothing_term,
-                                            POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
-    target_grad = target_softmax_term - scale * (1.0 - label_smoothing)
+    target_softmax_term = _softmax_gradient(x_target, row_max, exponent_offset, softmax_scale, smoothing_term,
+                                            POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, target, weight_ptr, softcap,
+                                            HAS_WEIGHT, HAS_SOFTCAP)
+    one_hot = target_scale * (1.0 - label_smoothing)
+    if HAS_SOFTCAP:  # extra: the chain rule applies to the one-hot term too
+        one_hot = one_hot * _softcap_slope(_softcap(x_target, softcap, FAST_EXP2), softcap)
+    target_grad = target_softmax_term - one_hot
     tl.store(grad_row + target, _round_to(target_grad, grad_row.dtype.element_ty), mask=target_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The extras' helpers (softcap, class weights and z-loss in the gradient, argmax), used by both kernels
+# ----------------------------------------------------------------------------------------------------------------------
+_NO_CHUNK = tl.constexpr(2**31 - 1)  # a lane's chunk before any, in Part 2: larger than every chunk index
+
+
+@triton.jit
+def _softcap(x, softcap, FAST_EXP2: tl.constexpr):
+    """softcap * tanh(x / softcap), written softcap - 2 * softcap / (exp(2x / softcap) + 1): one exp2 and one
+    reciprocal, accurate to about 1e-7 * softcap (the one-instruction tanh.approx.f32 is good to only 2^-11). -inf
+    gives -softcap, +inf softcap."""
+    y = x * (2.0 * LOG2E / softcap)
+    if INTERPRETER:
+        y = tl.minimum(y, 126.0)  # numpy warns when exp2 overflows to inf (on the GPU: inf, then softcap, silently)
+    return softcap - (2.0 * softcap) * _reciprocal(_exp2(y, FAST_EXP2) + 1.0, FAST_EXP2)
+
+
+@triton.jit
+def _softcap_slope(x, softcap):
+    """d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2 = 1 - (x / softcap)^2, from the capped logit x."""
+    return 1.0 - (x * x) * (1.0 / (softcap * softcap))
+
+
+@triton.jit
+def _gradient_scales(scale, label_smoothing, V, weight_target, weight_total, lse, lse_square_scale, z_scale_ptr,
+                     z_scale_offset, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+    """(softmax_scale, target_scale): the coefficients of softmax(x) and of (1 - eps) * one-hot in a row's gradient,
+    both `scale` without extras. Class weights w (W = their sum): dx_j = scale * ((1 - eps) * w_t * (p_j - [j == t])
+    + eps / V * (W * p_j - w_j)). The z-loss adds z_scale * 2 * lse_square_scale * lse * p_j. Either can make the
+    softmax coefficient <= 0, so the launcher does not fold it into the exponent (POSITIVE_SCALE off)."""
+    softmax_scale = scale
+    target_scale = scale
+    if HAS_WEIGHT:
+        target_scale = scale * weight_target
+        softmax_scale = (1.0 - label_smoothing) * target_scale + (label_smoothing / V) * weight_total * scale
+    if HAS_Z_LOSS:
+        z_scale = tl.load(z_scale_ptr + z_scale_offset).to(tl.float32)
+        softmax_scale += 2.0 * lse_square_scale * lse * z_scale
+    return softmax_scale, target_scale
+
+
+# The argmax per row, in the pass over the logits that computes the loss: each lane keeps, besides its running max,
+# the lowest chunk index where that max occurs (a compare and a select per lane and chunk, nothing per logit). After
+# the pass, the lowest (chunk, lane) whose max is the row's max holds the row's first maximal column, and re-reading
+# its LANE_WIDTH logits tells which one: torch.argmax's rule, the lowest column among equal maxima.
+@triton.jit
+def _lane_argmax_update(x, chunk, lane_max, lane_chunk, IN_ORDER: tl.constexpr):
+    """lane_chunk after chunk `chunk` of tile x, given the lanes' max before it; the compiler computes tl.max(x) once
+    for this and for the online-softmax update. IN_ORDER (the row kernel: chunks in increasing order, lane_chunk
+    starting at 0): a lane moves on only to a larger max. Part 2 visits chunks out of order and starts at _NO_CHUNK,
+    so an equal max moves a lane to a lower chunk as well."""
+    chunk_max = tl.max(x, axis=1)
+    if IN_ORDER:
+        better = chunk_max > lane_max
+    else:
+        better = (chunk_max > lane_max) | ((chunk_max == lane_max) & (chunk < lane_chunk))
+    return tl.where(better, chunk, lane_chunk)
+
+
+@triton.jit
+def _argmax_start(lane_max, lane_chunk, row_max, lane_index, past_end, BLOCK_V: tl.constexpr,
+                  LANE_WIDTH: tl.constexpr):
+    """The first of the LANE_WIDTH columns that hold the row's first maximal logit, or past_end (a column >= V) if no
+    lane matches (a NaN max). lane_index = arange(0, N_LANES)."""
+    starts = lane_chunk * BLOCK_V + lane_index * LANE_WIDTH
+    return tl.min(tl.where(lane_max == row_max, starts, past_end), axis=0)
+
+
+@triton.jit
+def _argmax_in_lane(x, columns, V, softcap, HAS_SOFTCAP: tl.constexpr, FAST_EXP2: tl.constexpr):
+    """The first of `columns` (from _argmax_start; x their logits, -inf from V on) where x is largest."""
+    if HAS_SOFTCAP:
+        x = tl.where(columns < V, _softcap(x, softcap, FAST_EXP2), float("-inf"))
+    return tl.min(tl.where(x == tl.max(x, axis=0), columns, V), axis=0)
 
 
 @triton.jit
@@ -348,6 +529,8 @@ _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resid
 _SMEM_MIN_ROWS_PER_SM = 8
 # Part 2's Gluon kernel is written and verified against Triton 3.6 (Gluon's names change between releases).
 _GLUON_VERIFIED = triton.__version__.startswith("3.6.")
+# Whether launches with extras may take Part 2's kernel as well; False sends them all to the row kernel.
+_SMEM_SUPPORTS_EXTRAS = True
 
 
 def _launch_shape(V, itemsize, on_gpu, block_v=None):
@@ -379,21 +562,24 @@ def _smem_kernel_allowed(properties):
 
 
 def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties, kernel=None, block_v=None,
-                    n_streamed=None, n_ring=None):
+                    n_streamed=None, n_ring=None, extras=False):
     """The launcher's choice: None for the row kernel, or the shared-memory kernel's plan (see _smem_plan). That
     kernel takes 16-bit logits with a gradient to write, on a GPU where it is allowed, with at least
-    _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned (cp.async copies 16 bytes per thread).
-    kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises ValueError."""
+    _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned (cp.async copies 16 bytes per thread),
+    and extras only while _SMEM_SUPPORTS_EXTRAS. kernel="rows" / "smem" force one (tests); forcing "smem" where it
+    cannot run raises ValueError."""
     if kernel not in (None, "rows", "smem"):
         raise ValueError(f"cross_entropy_forward: kernel must be None, 'rows' or 'smem', got {kernel!r}")
     plan = None
-    if kernel != "rows" and compute_grad and rows_aligned and _smem_kernel_allowed(properties):
+    extras_ok = _SMEM_SUPPORTS_EXTRAS or not extras
+    if kernel != "rows" and compute_grad and rows_aligned and extras_ok and _smem_kernel_allowed(properties):
         enough_rows = properties is None or n_rows >= _SMEM_MIN_ROWS_PER_SM * properties.multi_processor_count
         if kernel == "smem" or enough_rows:
             plan = _smem_plan(V, itemsize, properties, block_v, n_streamed, n_ring)
     if kernel == "smem" and plan is None:
         raise ValueError(f"cross_entropy_forward: the shared-memory kernel does not apply here (V={V}, "
                          f"{itemsize}-byte logits, gradient: {compute_grad}, rows 16-byte aligned: {rows_aligned}, "
+                         f"extras: {extras} (allowed: {_SMEM_SUPPORTS_EXTRAS}), "
                          f"GPU: {'none' if properties is None else f'compute capability {properties.major}.x'})")
     return plan
 
@@ -413,6 +599,35 @@ def _check_common_args(who, reduction, label_smoothing):
         raise ValueError(f"{who}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{who}: label_smoothing must be in [0, 1], got {label_smoothing}")
+
+
+def _check_extras(who, weight, lse_square_scale, softcap, return_flags, V=None, device=None, weight_name="weight"):
+    """The extras' arguments (see "Extras" below). V and device, which a module's constructor does not know yet,
+    check the class weights' shape and device; return_flags maps each return_* name to its value."""
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{who}: {weight_name} (class weights) must be a torch.Tensor or None, got "
+                            f"{type(weight).__name__}")
+        if not weight.dtype.is_floating_point:
+            raise TypeError(f"{who}: {weight_name} (class weights) must be floating point, got dtype {weight.dtype}")
+        if V is not None and tuple(weight.shape) != (V,):
+            raise ValueError(f"{who}: {weight_name} (class weights) must have shape [V] = [{V}], got "
+                             f"{tuple(weight.shape)}")
+        if device is not None and weight.device != device:
+            raise ValueError(f"{who}: {weight_name} (class weights) is on {weight.device}, the other inputs on "
+                             f"{device}; put them on one device")
+    for name, value in (("lse_square_scale", lse_square_scale), ("softcap", softcap)):
+        if name == "softcap" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{who}: {name} must be a Python number, got {type(value).__name__}")
+        low_ok = value >= 0 if name == "lse_square_scale" else value > 0
+        if not (low_ok and value < float("inf")):  # also false for NaN
+            raise ValueError(f"{who}: {name} must be finite and {'>= 0' if name == 'lse_square_scale' else '> 0'}"
+                             f"{' (None: no softcap)' if name == 'softcap' else ''}, got {value}")
+    for name, flag in return_flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{who}: {name} must be True or False, got {flag!r}")
 
 
 def _check_target_range(who, targets, V, ignore_index):
@@ -450,17 +665,69 @@ def _row_layout(x):
     return max(x.shape[0], 1), 0, x.stride(0)
 
 
+# Extras, with Liger-Kernel's names and semantics; each is a constexpr switch of both kernels, so with all of them off
+# the kernels compile to the same code as without them (a None argument becomes a constexpr, not a parameter).
+# - weight, class weights w [V] (PyTorch's rule): a row's loss times w[target]; with label smoothing eps,
+#   (1 - eps) * w[target] * (lse - x[target]) + eps / V * sum_j w_j * (lse - x_j); "mean" divides by the sum of
+#   w[target] over the non-ignored rows. The kernels read w[target] once per row, all of w only with smoothing.
+# - lse_square_scale, the z-loss (PaLM): + lse_square_scale * lse^2 per non-ignored row, added to the loss, its
+#   gradient 2 * lse_square_scale * lse * softmax folded into pass 2. Reduced like the loss but never weighted ("mean"
+#   divides it by the number of non-ignored rows), as Liger does. return_z_loss also returns it alone.
+# - softcap (Gemma 2): every logit read becomes softcap * tanh(logit / softcap), in both passes; the gradient takes
+#   the chain factor 1 - tanh^2. No extra pass, but an exp2 and a reciprocal per logit and pass (see _softcap).
+# - return_token_accuracy, return_predicted_tokens: the argmax per row, from the loss's pass over the logits (see
+#   _lane_argmax_update); predicted tokens are -1 on ignored rows.
+class _Extras(NamedTuple):
+    """One launch's extras, None where off: the kernels' extras arguments."""
+    weight: Optional[torch.Tensor] = None  # class weights as the kernels read them (_packed_weight)
+    lse_square_scale: Optional[float] = None  # the z-loss is on
+    z_losses: Optional[torch.Tensor] = None  # [rows] fp32, written: lse_square_scale * lse^2, 0 on ignored rows
+    z_scale: Optional[torch.Tensor] = None  # fp32 gradient scale of the z-loss, with the launch's scale_stride
+    softcap: Optional[float] = None
+    predicted: Optional[torch.Tensor] = None  # [rows] int64, written: argmax per row, -1 on ignored rows
+
+    def on(self):
+        return any(value is not None for value in (self.weight, self.z_losses, self.softcap, self.predicted))
+
+    def rows(self, start, end, per_row_scale):
+        """The extras of rows start..end-1 (a linear cross-entropy chunk); per_row_scale: z_scale has one per row."""
+        def cut(x):
+            return None if x is None else x[start:end]
+        return self._replace(z_losses=cut(self.z_losses), predicted=cut(self.predicted),
+                             z_scale=cut(self.z_scale) if per_row_scale else self.z_scale)
+
+
+_MAX_BLOCK_V = 16384  # the widest chunk of either kernel (fp32 logits on a GPU)
+
+
+def _packed_weight(weight):
+    """Class weights as the kernels read them: fp32, the V weights, their sum at index V, then zeros up to a multiple
+    of _MAX_BLOCK_V, so that the partial chunk reads weights without a mask."""
+    V = weight.shape[0]
+    packed = torch.zeros(triton.cdiv(V + 1, _MAX_BLOCK_V) * _MAX_BLOCK_V, dtype=torch.float32, device=weight.device)
+    packed[:V] = weight
+    packed[V] = packed[:V].sum()
+    return packed
+
+
 def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_stride, ignore_index, label_smoothing,
-                          positive_scale=True, kernel=None, block_v=None, n_streamed=None, n_ring=None):
+                          positive_scale=True, kernel=None, block_v=None, n_streamed=None, n_ring=None,
+                          extras=_Extras()):
     """Launch a kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
-    losses [N] fp32, grad (same shape as logits, or None for loss only), scale an fp32 device tensor.
-    positive_scale=False when the scale can be <= 0 (a user's grad_output). kernel, block_v, n_streamed, n_ring are
-    for tests: see _pick_smem_plan and _smem_plan."""
+    losses [N] fp32, grad (same shape as logits, or None for loss only), scale an fp32 device tensor, extras an
+    _Extras. positive_scale=False when the scale can be <= 0 (a user's grad_output). kernel, block_v, n_streamed,
+    n_ring are for tests: see _pick_smem_plan and _smem_plan."""
     V = logits.shape[-1]
     n_rows = targets_flat.numel()
     if n_rows == 0:
         return
     compute_grad = grad is not None
+    # Class weights (of any sign) and the z-loss (of the sign of lse) leave the softmax coefficient's sign unknown.
+    positive_scale = positive_scale and extras.weight is None and extras.z_losses is None
+    extra_args = (extras.weight, extras.z_losses, extras.z_scale, extras.predicted, extras.lse_square_scale,
+                  extras.softcap)
+    extra_switches = dict(HAS_WEIGHT=extras.weight is not None, HAS_Z_LOSS=extras.z_losses is not None,
+                          HAS_SOFTCAP=extras.softcap is not None, TRACK_ARGMAX=extras.predicted is not None)
     on_gpu = not INTERPRETER
     properties = torch.cuda.get_device_properties(logits.device) if on_gpu else None
     rows_per_batch, stride_b, stride_t = _row_layout(logits)
@@ -470,76 +737,144 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     # (e.g. V = 50257 does not qualify); the interpreter has no such constraint.
     rows_aligned = not on_gpu or (logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
     smem_plan = _pick_smem_plan(V, logits.element_size(), n_rows, compute_grad, rows_aligned, properties, kernel,
-                                block_v, n_streamed, n_ring)
+                                block_v, n_streamed, n_ring, extras.on())
     if smem_plan is not None:
         block_v, num_warps, n_chunks, n_streamed, n_ring = smem_plan
+        assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
         # One program per multiprocessor on the GPU (it takes the shared memory); the interpreter runs them in turn.
         n_programs = min(n_rows, properties.multi_processor_count if on_gpu else 4)
         _cross_entropy_smem_kernel[(n_programs,)](
             logits, grad, targets_flat, losses, scale,
             n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
-            targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing),
+            targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
             BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
             HAS_SMOOTHING=label_smoothing > 0.0, POSITIVE_SCALE=positive_scale,
-            FAST_EXP2=on_gpu, NUM_WARPS=num_warps, num_warps=num_warps,
+            FAST_EXP2=on_gpu, NUM_WARPS=num_warps, num_warps=num_warps, **extra_switches,
         )
         return
     block_v, num_warps, chunks_per_step, maxnreg = _launch_shape(V, logits.element_size(), on_gpu, block_v)
+    assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
     # The interpreter runs programs one after another anyway: a few suffice there.
     n_programs = min(n_rows, _PROGRAMS_PER_SM * properties.multi_processor_count if on_gpu else 4)
     _cross_entropy_kernel[(n_programs,)](
         logits, grad if compute_grad else logits, targets_flat, losses, scale,
         n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
-        targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing),
+        targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
         BLOCK_V=block_v, LANE_WIDTH=min(_LANE_WIDTH, block_v), HAS_SMOOTHING=label_smoothing > 0.0,
         COMPUTE_GRAD=compute_grad, POSITIVE_SCALE=positive_scale, FAST_EXP2=on_gpu,
         CHUNKS_PER_STEP=chunks_per_step, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **extra_switches,
     )
 
 
-def _reduction_scale(targets, ignore_index, reduction):
-    """(gradient scale as a 0-dim fp32 device tensor, count for the mean or None).
+def _reduction_scale(targets, ignore_index, reduction, weight=None):
+    """(gradient scale as a 0-dim fp32 device tensor, denominator of the mean or None).
 
-    "mean": 1 / (number of non-ignored targets), inf when every row is ignored (no row is then scaled, since ignored
-    rows get zeros), plus that count for the mean of the losses. "sum"/"none": 1."""
+    "mean": 1 / denominator, the number of non-ignored targets or, with class weights, the sum of their weights
+    (PyTorch's rule; a target outside [0, V) adds nothing, its row is NaN anyway); inf when it is 0 (every row ignored:
+    no row is then scaled, since ignored rows get zeros). "sum"/"none": 1."""
     if reduction != "mean":
         return torch.ones((), dtype=torch.float32, device=targets.device), None
-    n_valid = (targets != ignore_index).sum()
-    return 1.0 / n_valid.to(torch.float32), n_valid
+    valid = targets != ignore_index
+    if weight is None:
+        denominator = valid.sum()
+    else:
+        counted = valid & (targets >= 0) & (targets < weight.shape[0])
+        target_weights = weight.to(torch.float32)[torch.where(counted, targets, 0)]
+        denominator = torch.where(counted, target_weights, 0.0).sum()
+    return 1.0 / denominator.to(torch.float32), denominator
 
 
-def _reduce(losses, reduction, n_valid, targets_shape):
+def _reduce(losses, reduction, denominator, targets_shape):
     if reduction == "mean":
-        return losses.sum() / n_valid  # 0 / 0 = NaN when no row counts (all ignored, or none at all), as in PyTorch
+        return losses.sum() / denominator  # 0 / 0 = NaN when no row counts (all ignored, or none), as in PyTorch
     if reduction == "sum":
         return losses.sum()
     return losses.view(targets_shape)
 
 
+class _LossTerms:
+    """One call's per-row results and their reduction: the fp32 losses, the extras' buffers (None where off), the
+    reduction's gradient scales, and the result (the loss, or a CrossEntropyOutput when a return_* flag is set)."""
+
+    def __init__(self, targets, ignore_index, reduction, device, weight=None, lse_square_scale=0.0, softcap=None,
+                 return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+        self.targets, self.ignore_index, self.reduction = targets, ignore_index, reduction
+        self.targets_flat = targets.reshape(-1)
+        n_rows = self.targets_flat.numel()
+        self.losses = torch.empty(n_rows, dtype=torch.float32, device=device)
+        self.returns = (return_z_loss, return_token_accuracy, return_predicted_tokens)
+        self.scale, self.denominator = _reduction_scale(self.targets_flat, ignore_index, reduction, weight)
+        # The z-loss's mean and the token accuracy count the non-ignored rows, whatever the class weights.
+        self.n_valid = self.denominator if weight is None else None
+        if self.n_valid is None and (reduction == "mean" or return_token_accuracy):
+            self.n_valid = (self.targets_flat != ignore_index).sum()
+        z_scale = 1.0 / self.n_valid.to(torch.float32) if weight is not None and reduction == "mean" else self.scale
+        z_loss_on = lse_square_scale != 0  # return_z_loss alone returns zeros, as Liger does, without kernel work
+        self.extras = _Extras(
+            weight=None if weight is None else _packed_weight(weight),
+            lse_square_scale=float(lse_square_scale) if z_loss_on else None,
+            z_losses=torch.empty(n_rows, dtype=torch.float32, device=device) if z_loss_on else None,
+            z_scale=z_scale if z_loss_on else None,
+            softcap=None if softcap is None else float(softcap),
+            predicted=(torch.empty(n_rows, dtype=torch.int64, device=device)
+                       if return_token_accuracy or return_predicted_tokens else None))
+
+    def result(self):
+        """The loss (cross-entropy plus z-loss), reduced; with a return_* flag, a CrossEntropyOutput."""
+        shape = self.targets.shape
+        loss = _reduce(self.losses, self.reduction, self.denominator, shape)
+        return_z_loss, return_token_accuracy, return_predicted_tokens = self.returns
+        z_loss = None
+        if self.extras.z_losses is not None:
+            z_loss = _reduce(self.extras.z_losses, self.reduction, self.n_valid, shape)
+            loss = loss + z_loss
+        elif return_z_loss:
+            z_loss = _reduce(torch.zeros_like(self.losses), self.reduction, self.n_valid, shape)
+        if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+            return loss
+        accuracy = predicted = None
+        if self.extras.predicted is not None:
+            predicted = self.extras.predicted.view(shape)
+        if return_token_accuracy:
+            # 1.0 where the argmax is the target; ignored rows count 0 ("none") or not at all (mean, sum: a fraction
+            # of the non-ignored rows, NaN when there is none, as 0 / 0 in PyTorch).
+            correct = ((predicted == self.targets) & (self.targets != self.ignore_index)).to(torch.float32)
+            accuracy = correct if self.reduction == "none" else correct.sum() / self.n_valid
+        return CrossEntropyOutput(loss, z_loss if return_z_loss else None, accuracy,
+                                  predicted if return_predicted_tokens else None)
+
+
 def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                          compute_grad=True, inplace_backward=False, check_targets=False, *, kernel=None,
-                          block_v=None, n_streamed=None, n_ring=None):
-    """The launcher, without autograd: returns (loss, grad_logits or None).
+                          compute_grad=True, inplace_backward=False, check_targets=False, *, weight=None,
+                          lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
+                          return_predicted_tokens=False, kernel=None, block_v=None, n_streamed=None, n_ring=None):
+    """The launcher, without autograd: returns (loss, grad_logits or None), or (CrossEntropyOutput, grad_logits or
+    None) when a return_* flag is set.
 
     The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1; with
-    inplace_backward=True it is written into the logits' own storage. The keyword-only arguments are for tests:
-    kernel="rows" / "smem" forces a kernel, block_v its chunk width, n_streamed and n_ring the shared-memory
-    kernel's schedule (see _smem_plan); by default the launcher picks (see _pick_smem_plan)."""
+    inplace_backward=True it is written into the logits' own storage. weight .. return_predicted_tokens are the extras
+    of `cross_entropy`. The last keyword-only arguments are for tests: kernel="rows" / "smem" forces a kernel,
+    block_v its chunk width, n_streamed and n_ring the shared-memory kernel's schedule (see _smem_plan); by default
+    the launcher picks (see _pick_smem_plan)."""
     who = "cross_entropy"
     _validate_cross_entropy(who, logits, targets, reduction, label_smoothing)
+    _check_extras(who, weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
+                  return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens),
+                  V=logits.shape[-1], device=logits.device)
     if check_targets:
         _check_target_range(who, targets, logits.shape[-1], ignore_index)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernel needs unit column stride; any row strides are fine
-    targets_flat = targets.reshape(-1)
-    scale, n_valid = _reduction_scale(targets_flat, ignore_index, reduction)
-    losses = torch.empty(targets_flat.numel(), dtype=torch.float32, device=logits.device)
+    terms = _LossTerms(targets, ignore_index, reduction, logits.device, weight, lse_square_scale, softcap,
+                       return_z_loss, return_token_accuracy, return_predicted_tokens)
     grad = None
     if compute_grad:
         grad = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch_cross_entropy(logits, targets_flat, losses, grad, scale, 0, ignore_index, label_smoothing, kernel=kernel,
-                          block_v=block_v, n_streamed=n_streamed, n_ring=n_ring)
-    return _reduce(losses, reduction, n_valid, targets.shape), grad
+    _launch_cross_entropy(logits, terms.targets_flat, terms.losses, grad, terms.scale, 0, ignore_index,
+                          label_smoothing, kernel=kernel, block_v=block_v, n_streamed=n_streamed, n_ring=n_ring,
+                          extras=terms.extras)
+    return terms.result(), grad
 
 
 def _scale_rows_(x, scale):
@@ -568,37 +903,60 @@ def cross_entropy_backward(grad_logits, grad_output):
 # ----------------------------------------------------------------------------------------------------------------------
 # 3. Autograd Function, functional API, module, model patching
 # ----------------------------------------------------------------------------------------------------------------------
+class CrossEntropyOutput(NamedTuple):
+    """What `cross_entropy` and `linear_cross_entropy` return when a return_* flag is set (Liger-Kernel's fields);
+    a field that was not asked for is None. Only `loss` has a gradient."""
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
+
+
+def _function_output(ctx, result):
+    """An autograd Function's output: the loss, or the fields of a CrossEntropyOutput, the extras without gradient."""
+    if not isinstance(result, CrossEntropyOutput):
+        return result
+    ctx.mark_non_differentiable(*[value for value in result[1:] if value is not None])
+    return tuple(result)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Forward: the fused kernel computes the loss and the gradient. Backward: scales that gradient by grad_output."""
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, reduction, label_smoothing, inplace_backward, check_targets):
+    def forward(ctx, logits, targets, ignore_index, reduction, label_smoothing, inplace_backward, check_targets,
+                weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
+                return_predicted_tokens=False):
         if inplace_backward:
             # The kernel is about to overwrite the logits with their gradient. Bump their version counter so that if
             # some other op saved these logits for its backward, autograd raises its usual "modified by an inplace
             # operation" error instead of silently using the gradient as logits.
             torch.autograd.graph.increment_version(logits)
-        loss, grad = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing,
-                                           compute_grad=True, inplace_backward=inplace_backward,
-                                           check_targets=check_targets)
+        result, grad = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing,
+                                             compute_grad=True, inplace_backward=inplace_backward,
+                                             check_targets=check_targets, weight=weight,
+                                             lse_square_scale=lse_square_scale, softcap=softcap,
+                                             return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                                             return_predicted_tokens=return_predicted_tokens)
         # Kept on ctx (not save_for_backward): in in-place mode it IS the logits, whose version we just bumped.
         # detach() gives a new tensor object over the same memory; once backward drops ctx's reference, autograd
         # holds the only one and can hand the buffer on as the gradient instead of copying it.
         ctx.grad_logits = grad.detach()
-        return loss
+        return _function_output(ctx, result)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *extras_grads):  # the extras (z_loss, accuracy, predicted) pass no gradient on
         grad = ctx.grad_logits
         if grad is None:
             raise RuntimeError("cross_entropy: the fused backward scales its stored gradient in place and can run "
                                "once; recompute the loss instead of using retain_graph=True")
         ctx.grad_logits = None
-        return cross_entropy_backward(grad, grad_output), None, None, None, None, None, None
+        return (cross_entropy_backward(grad, grad_output),) + (None,) * 12
 
 
 def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False,
-                  check_targets=False):
+                  check_targets=False, *, weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
+                  return_token_accuracy=False, return_predicted_tokens=False):
     """`F.cross_entropy(logits, targets, ...)` for class-index targets, fused; returns the loss in fp32.
 
     logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T] of any integer dtype.
@@ -613,35 +971,69 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
 
     Targets outside [0, V) other than ignore_index are never used as addresses; their rows' loss and gradient are NaN.
     check_targets=True validates them on the host first and raises ValueError (a device sync: a debug mode).
+
+    Extras (Liger-Kernel's names and meaning; see "Extras" in section 2):
+    - weight: class weights [V], floating point (used in fp32), on the logits' device: PyTorch's `weight`, with label
+      smoothing and "mean" (divided by the sum of w[target] over non-ignored rows) as in F.cross_entropy. No gradient
+      flows to them.
+    - lse_square_scale >= 0: adds the z-loss lse_square_scale * logsumexp(logits)^2 of each non-ignored row to the
+      loss (unweighted; "mean" divides it by the number of non-ignored rows).
+    - softcap > 0 or None: the loss sees softcap * tanh(logits / softcap) instead of the logits.
+    - return_z_loss, return_token_accuracy, return_predicted_tokens: the result is then a CrossEntropyOutput(loss,
+      z_loss, token_accuracy, predicted_tokens), fields not asked for None, only `loss` differentiable. z_loss is
+      reduced as the loss (per row for "none"); it is part of `loss` too. token_accuracy is the fraction of
+      non-ignored rows whose argmax is the target for "mean" and "sum" (NaN when no row counts, as 0 / 0), one 1.0 /
+      0.0 per row for "none" (0.0 on ignored rows). predicted_tokens: the argmax of each row (int64, the targets'
+      shape; -1 on ignored rows, whatever ignore_index), the lowest column among equal maxima as torch.argmax,
+      taken after the softcap (which can make large logits equal); undefined for rows with NaN logits.
     """
+    extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+                  return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad:
-        return CrossEntropyFunction.apply(logits, targets, ignore_index, reduction, label_smoothing, inplace_backward,
-                                          check_targets)
-    loss, _ = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing, compute_grad=False,
-                                    check_targets=check_targets)
-    return loss
+        result = CrossEntropyFunction.apply(logits, targets, ignore_index, reduction, label_smoothing,
+                                            inplace_backward, check_targets, *extras.values())
+        return CrossEntropyOutput(*result) if isinstance(result, tuple) else result
+    result, _ = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing, compute_grad=False,
+                                      check_targets=check_targets, **extras)
+    return result
 
 
 class TritonCrossEntropyLoss(torch.nn.Module):
-    """Drop-in for `nn.CrossEntropyLoss` (class-index targets, no class weights) backed by `cross_entropy`."""
+    """Drop-in for `nn.CrossEntropyLoss` (class-index targets) and Liger's LigerCrossEntropyLoss, backed by
+    `cross_entropy`; the keyword-only arguments are its extras. The class weights are a buffer (they move with
+    .to())."""
 
     def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False,
-                 check_targets=False):
+                 check_targets=False, *, weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
+                 return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
-        _check_common_args("TritonCrossEntropyLoss", reduction, label_smoothing)
+        who = "TritonCrossEntropyLoss"
+        _check_common_args(who, reduction, label_smoothing)
+        _check_extras(who, weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
+                      return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens))
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
         self.inplace_backward = inplace_backward
         self.check_targets = check_targets
+        self.register_buffer("weight", weight)
+        self.lse_square_scale = lse_square_scale
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, logits, targets):
         return cross_entropy(logits, targets, self.ignore_index, self.reduction, self.label_smoothing,
-                             self.inplace_backward, self.check_targets)
+                             self.inplace_backward, self.check_targets, weight=self.weight,
+                             lse_square_scale=self.lse_square_scale, softcap=self.softcap,
+                             return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy,
+                             return_predicted_tokens=self.return_predicted_tokens)
 
     def extra_repr(self):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, inplace_backward={self.inplace_backward}")
+                f"label_smoothing={self.label_smoothing}, inplace_backward={self.inplace_backward}, "
+                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -715,9 +1107,10 @@ def _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, lab
 
 
 def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, scale_stride, want_dh, want_dw,
-                                 want_db, chunk_rows, ignore_index, label_smoothing, positive_scale=True):
-    """The chunk loop. Fills losses [N] and returns (dh, dW, db) (None where not wanted), scaled by `scale`
-    (positive_scale=False when it is a user's grad_output, which may be <= 0)."""
+                                 want_db, chunk_rows, ignore_index, label_smoothing, positive_scale=True,
+                                 extras=_Extras()):
+    """The chunk loop. Fills losses [N] (and the extras' outputs) and returns (dh, dW, db) (None where not wanted),
+    scaled by `scale` (positive_scale=False when it is a user's grad_output, which may be <= 0)."""
     n_rows, V = h.shape[0], weight.shape[0]
     compute_grad = want_dh or want_dw or want_db
     dh = torch.empty_like(h) if want_dh else None
@@ -738,7 +1131,7 @@ def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, s
         chunk_scale = scale[start:end] if scale_stride else scale
         _launch_cross_entropy(logits_c, targets_flat[start:end], losses[start:end],
                               logits_c if compute_grad else None, chunk_scale, scale_stride, ignore_index,
-                              label_smoothing, positive_scale)
+                              label_smoothing, positive_scale, extras=extras.rows(start, end, scale_stride != 0))
         if not compute_grad:
             continue
         dlogits_c = logits_c  # the kernel overwrote the chunk's logits with their gradient
@@ -754,15 +1147,14 @@ def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, s
     return dh, dw, None if db is None else db.to(weight.dtype)
 
 
-def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V):
+def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, extras):
+    """(hidden as [N, H] with unit last stride, the call's _LossTerms); extras: the extras' keyword arguments."""
     if check_targets:
         _check_target_range("linear_cross_entropy", targets, V, ignore_index)
     h = hidden.reshape(-1, hidden.shape[-1])
     if h.stride(-1) != 1:
         h = h.contiguous()
-    targets_flat = targets.reshape(-1)
-    scale, n_valid = _reduction_scale(targets_flat, ignore_index, reduction)
-    return h, targets_flat, scale, n_valid
+    return h, _LossTerms(targets, ignore_index, reduction, hidden.device, **extras)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -771,35 +1163,43 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size,
-                check_targets, want_dh, want_dw, want_db):
+                check_targets, want_dh, want_dw, want_db, ce_weight=None, lse_square_scale=0.0, softcap=None,
+                return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
         V = weight.shape[0]
-        h, targets_flat, scale, n_valid = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V)
+        h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, dict(
+            weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens))
         chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
-        losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         ctx.hidden_shape = hidden.shape
         ctx.args = (ignore_index, label_smoothing, chunk_rows)
         ctx.reduction = reduction
         if reduction == "none":
             # Gradients need the per-row grad_output: only the losses now, the chunks are recomputed in backward.
-            _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, 0, False, False, False,
-                                         chunk_rows, ignore_index, label_smoothing)
-            ctx.save_for_backward(h, weight, bias, targets_flat)
+            _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, False,
+                                         False, False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras)
+            ctx.save_for_backward(h, weight, bias, terms.targets_flat)
             ctx.wants = (want_dh, want_dw, want_db)
+            # The backward's extras: those that shape the gradient, the per-row grad_output as the z-loss's scale.
+            ctx.extras = terms.extras._replace(predicted=None)
         else:
-            ctx.grads = _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, 0, want_dh, want_dw,
-                                                     want_db, chunk_rows, ignore_index, label_smoothing)
-        return _reduce(losses, reduction, n_valid, targets.shape)
+            ctx.grads = _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0,
+                                                     want_dh, want_dw, want_db, chunk_rows, ignore_index,
+                                                     label_smoothing, extras=terms.extras)
+        return _function_output(ctx, terms.result())
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *extras_grads):  # the extras (z_loss, accuracy, predicted) pass no gradient on
         if ctx.reduction == "none":
             h, weight, bias, targets_flat = ctx.saved_tensors
             ignore_index, label_smoothing, chunk_rows = ctx.args
             scale = grad_output.reshape(-1)  # an expanded grad_output (loss.sum().backward()) keeps stride 0: fine
             scratch_losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+            extras = ctx.extras
+            if extras.z_losses is not None:
+                extras = extras._replace(z_losses=torch.empty_like(scratch_losses), z_scale=scale)
             dh, dw, db = _linear_cross_entropy_chunks(h, weight, bias, targets_flat, scratch_losses, scale,
                                                       scale.stride(0), *ctx.wants, chunk_rows, ignore_index,
-                                                      label_smoothing, positive_scale=False)
+                                                      label_smoothing, positive_scale=False, extras=extras)
         else:
             if ctx.grads is None:
                 raise RuntimeError("linear_cross_entropy: the fused backward scales its stored gradients in place and "
@@ -811,11 +1211,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     _scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() == 1 else grad, grad_output)
         if dh is not None:
             dh = dh.view(ctx.hidden_shape)
-        return dh, dw, db, None, None, None, None, None, None, None, None, None
+        return (dh, dw, db) + (None,) * 15
 
 
 def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         chunk_size=None, check_targets=False):
+                         chunk_size=None, check_targets=False, *, ce_weight=None, lse_square_scale=0.0, softcap=None,
+                         return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
     """`F.cross_entropy(F.linear(hidden, weight, bias), targets, ...)` without materializing the [N, V] logits.
 
     hidden [N, H] or [B, T, H]; weight [V, H] (lm_head.weight as stored); bias [V] or None; targets [N] or [B, T].
@@ -823,44 +1224,70 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
     hidden, weight and bias as far as they require grad (a frozen weight, as in LoRA, costs no dW matmul).
     chunk_size = rows per chunk; by default LCE_CHUNK_BUDGET_BYTES of chunk logits (a multiple of 64 rows). For
     mean/sum the gradients are computed in this call (its backward only scales them); for "none" the backward
-    recomputes the chunks.
+    recomputes the chunks. The extras are those of `cross_entropy`, the class weights named ce_weight (as in Liger's
+    fused linear cross-entropy); the token accuracy and predicted tokens come without the logits ever being held.
     """
     _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, label_smoothing)
+    extras = dict(weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+                  return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
+    _check_extras("linear_cross_entropy", ce_weight, lse_square_scale, softcap, dict(
+                  return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                  return_predicted_tokens=return_predicted_tokens), V=weight.shape[0], device=hidden.device,
+                  weight_name="ce_weight")
     grad_enabled = torch.is_grad_enabled()
     want_dh = grad_enabled and hidden.requires_grad
     want_dw = grad_enabled and weight.requires_grad
     want_db = grad_enabled and bias is not None and bias.requires_grad
     if want_dh or want_dw or want_db:
-        return LinearCrossEntropyFunction.apply(hidden, weight, bias, targets, ignore_index, reduction,
-                                                label_smoothing, chunk_size, check_targets, want_dh, want_dw, want_db)
+        result = LinearCrossEntropyFunction.apply(hidden, weight, bias, targets, ignore_index, reduction,
+                                                  label_smoothing, chunk_size, check_targets, want_dh, want_dw,
+                                                  want_db, *extras.values())
+        return CrossEntropyOutput(*result) if isinstance(result, tuple) else result
     V = weight.shape[0]
-    h, targets_flat, scale, n_valid = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V)
-    losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, extras)
     chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
-    _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, 0, False, False, False, chunk_rows,
-                                 ignore_index, label_smoothing)
-    return _reduce(losses, reduction, n_valid, targets.shape)
+    _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, False, False,
+                                 False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras)
+    return terms.result()
 
 
 class TritonLinearCrossEntropyLoss(torch.nn.Module):
-    """Loss module taking (hidden, weight, targets[, bias]); use it with lm_head.weight instead of calling lm_head."""
+    """Loss module taking (hidden, weight, targets[, bias]); use it with lm_head.weight instead of calling lm_head.
+    The keyword-only arguments are the extras of `linear_cross_entropy` (ce_weight is a buffer)."""
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk_size=None, check_targets=False):
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk_size=None, check_targets=False,
+                 *, ce_weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
+                 return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
-        _check_common_args("TritonLinearCrossEntropyLoss", reduction, label_smoothing)
+        who = "TritonLinearCrossEntropyLoss"
+        _check_common_args(who, reduction, label_smoothing)
+        _check_extras(who, ce_weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
+                      return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens),
+                      weight_name="ce_weight")
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
         self.chunk_size = chunk_size
         self.check_targets = check_targets
+        self.register_buffer("ce_weight", ce_weight)
+        self.lse_square_scale = lse_square_scale
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, hidden, weight, targets, bias=None):
         return linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index, self.reduction,
-                                    self.label_smoothing, self.chunk_size, self.check_targets)
+                                    self.label_smoothing, self.chunk_size, self.check_targets,
+                                    ce_weight=self.ce_weight, lse_square_scale=self.lse_square_scale,
+                                    softcap=self.softcap, return_z_loss=self.return_z_loss,
+                                    return_token_accuracy=self.return_token_accuracy,
+                                    return_predicted_tokens=self.return_predicted_tokens)
 
     def extra_repr(self):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, chunk_size={self.chunk_size}")
+                f"label_smoothing={self.label_smoothing}, chunk_size={self.chunk_size}, "
+                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -969,13 +1396,20 @@ def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_valid,
 @_gluon_jit
 def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum,
                      sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
-                     BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+                     BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, lane_chunk,
+                     weight_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     TRACK_ARGMAX: tl.constexpr):
     if valid:  # an ignored row's slots were never filled: nothing to wait for or read, only the group to commit
         if _is_streamed(U, N, K):
             ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
+            CHUNK: tl.constexpr = ITEM
             slot = ring.index((ring_base + ITEM) % Q)
             async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
             x = slot.load(tile).to(tl.float32)
+            if HAS_SOFTCAP:  # extras as in _row_statistics
+                x = _softcap(x, softcap, FAST_EXP2)
+            if TRACK_ARGMAX:
+                lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=False)
             lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
             # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
             if ITEM + Q < K:
@@ -989,20 +1423,29 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
             # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
             async_copy.wait_group(N - 1)
             x = kept.index(CHUNK - K).load(tile).to(tl.float32)
+            if HAS_SOFTCAP:
+                x = _softcap(x, softcap, FAST_EXP2)
+            if TRACK_ARGMAX:
+                lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=False)
             lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         if HAS_SMOOTHING:
-            sum_x_tile += x
+            if HAS_WEIGHT:
+                sum_x_tile += x * gl.load(weight_ptr + CHUNK * BLOCK_V + chunk_offsets)
+            else:
+                sum_x_tile += x
     async_copy.commit_group()
-    return lane_max, lane_sum, sum_x_tile
+    return lane_max, lane_sum, sum_x_tile, lane_chunk
 
 
 @_gluon_jit
 def _smem_store_gradient(x, valid, grad_row, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, chunk_offsets, row_max,
                          exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
-                         HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+                         HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, weight_ptr, softcap,
+                         HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     if valid:
         grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
-                                 FAST_EXP2)
+                                 FAST_EXP2, CHUNK * BLOCK_V + chunk_offsets, weight_ptr, softcap, HAS_WEIGHT,
+                                 HAS_SOFTCAP)
     else:  # an ignored row: its slots were never filled (they hold an older row), the gradient is exactly 0
         grad = gl.zeros_like(x)
     tl.store(grad_row + CHUNK * BLOCK_V + chunk_offsets, _round_to(grad, grad_row.dtype.element_ty),
@@ -1013,7 +1456,8 @@ def _smem_store_gradient(x, valid, grad_row, CHUNK: tl.constexpr, BLOCK_V: tl.co
 def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, next_row_ptr, next_valid, grad_row,
                      chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile: tl.constexpr,
                      N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr,
-                     POSITIVE_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr):
+                     POSITIVE_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, weight_ptr,
+                     softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     if _is_streamed(U, N, K):
         ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)  # pass-2 item ITEM re-loads chunk ITEM - K
         CHUNK: tl.constexpr = ITEM - K
@@ -1021,7 +1465,8 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
         async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
         x = slot.load(tile).to(tl.float32)
         _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
-                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
+                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
+                             HAS_SOFTCAP)
         if ITEM + Q < 2 * K:  # a later re-load of this row
             if valid:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
@@ -1035,7 +1480,8 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
         CHUNK: tl.constexpr = _kept_chunk(U, N, K)
         x = kept.index(CHUNK - K).load(tile).to(tl.float32)
         _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
-                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
+                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
+                             HAS_SOFTCAP)
         # The slot's last use in this row: load the next row's chunk into it.
         if next_valid:
             async_copy.async_copy_global_to_shared(kept.index(CHUNK - K),
@@ -1049,6 +1495,7 @@ def _cross_entropy_smem_kernel(
     logits_ptr, grad_ptr, targets_ptr, losses_ptr, scale_ptr,  # as in _cross_entropy_kernel
     n_rows, V, rows_per_batch, logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t, targets_stride,
     scale_stride, ignore_index, label_smoothing,
+    weight_ptr, z_losses_ptr, z_scale_ptr, predicted_ptr, lse_square_scale, softcap,  # extras, as in the row kernel
     BLOCK_V: tl.constexpr,  # chunk width (power of 2)
     LANE_WIDTH: tl.constexpr,  # columns per lane, i.e. per thread and chunk (8 x 2 bytes = one 16-byte copy)
     N_CHUNKS: tl.constexpr,  # V // BLOCK_V whole chunks per row (the partial rest stays in registers)
@@ -1056,6 +1503,7 @@ def _cross_entropy_smem_kernel(
     Q: tl.constexpr,  # ring slots for them (1 <= Q <= K)
     HAS_SMOOTHING: tl.constexpr, POSITIVE_SCALE: tl.constexpr, FAST_EXP2: tl.constexpr,
     NUM_WARPS: tl.constexpr,  # = num_warps: Gluon layouts name the warps explicitly
+    HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
 ):
     N: tl.constexpr = N_CHUNKS
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
@@ -1106,13 +1554,23 @@ def _cross_entropy_smem_kernel(
         lane_max = gl.full([N_LANES], float("-inf"), tl.float32, lanes)
         lane_sum = gl.zeros([N_LANES], tl.float32, lanes)
         sum_x_tile = gl.zeros([N_LANES, LANE_WIDTH], tl.float32, tile)
+        lane_chunk = gl.full([N_LANES], _NO_CHUNK, tl.int32, lanes)  # extra: see _lane_argmax_update
         for u in gl.static_range(N):
-            lane_max, lane_sum, sum_x_tile = _smem_pass1_step(
+            lane_max, lane_sum, sum_x_tile, lane_chunk = _smem_pass1_step(
                 u, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
-                N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2)
-        lane_max, lane_sum = _online_softmax_update(x_partial, lane_max, lane_sum, FAST_EXP2)
+                N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2, lane_chunk, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP,
+                TRACK_ARGMAX)
+        x = x_partial
+        if HAS_SOFTCAP:  # extras as in _row_statistics
+            x = gl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2), float("-inf"))
+        if TRACK_ARGMAX:
+            lane_chunk = _lane_argmax_update(x, N, lane_max, lane_chunk, IN_ORDER=False)
+        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         if HAS_SMOOTHING:
-            sum_x_tile += gl.where(partial_mask, x_partial, 0.0)
+            if HAS_WEIGHT:
+                sum_x_tile += gl.where(partial_mask, x, 0.0) * gl.load(weight_ptr + partial_offsets)
+            else:
+                sum_x_tile += gl.where(partial_mask, x, 0.0)
         # An ignored row read nothing (every lane max -inf): its statistics are NaN, discarded by the `valid` selects.
         if INTERPRETER:
             # On the interpreter only (a constexpr: the GPU code has no such lines), finite placeholders instead, so
@@ -1120,31 +1578,63 @@ def _cross_entropy_smem_kernel(
             lane_max = gl.where(valid, lane_max, 0.0)
             lane_sum = gl.where(valid, lane_sum, 1.0)
         row_max, row_sum = _merge_lanes(lane_max, lane_sum, FAST_EXP2)
-        loss = _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING)
+        lse = row_max + gl.log(row_sum)
+        logit_target = x_target
+        weight_target = 1.0
+        weight_total = 1.0
+        if HAS_SOFTCAP:  # extras as in the row kernel
+            logit_target = _softcap(x_target, softcap, FAST_EXP2)
+        if HAS_WEIGHT:
+            weight_target = gl.load(weight_ptr + target, mask=target_ok & valid, other=0.0)
+            weight_total = gl.load(weight_ptr + V)
+        loss = _row_loss(row_max, row_sum, logit_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING,
+                         weight_target, weight_total, HAS_WEIGHT)
         gl.store(losses_ptr + row, gl.where(valid, gl.where(target_ok, loss, float("nan")), 0.0))
+        if HAS_Z_LOSS:
+            gl.store(z_losses_ptr + row, gl.where(valid, lse_square_scale * lse * lse, 0.0))
+        if TRACK_ARGMAX:  # read before pass 2 overwrites it in place (see the row kernel)
+            argmax_start = _argmax_start(lane_max, lane_chunk, row_max, gl.arange(0, N_LANES, layout=lanes), V,
+                                         BLOCK_V, LANE_WIDTH)
+            argmax_columns = argmax_start + gl.arange(0, LANE_WIDTH, layout=columns)
+            x_argmax = gl.load(logits_row + argmax_columns, mask=(argmax_columns < V) & valid, other=float("-inf"))
+            gl.thread_barrier()
 
         # ---- pass 2: gradient (zeros for an ignored row) ----
         row_scale = gl.load(scale_ptr + row * scale_stride).to(tl.float32)
         scale = gl.where(valid, row_scale, 0.0)
+        softmax_scale, target_scale = _gradient_scales(scale, label_smoothing, V, weight_target, weight_total, lse,
+                                                       lse_square_scale, z_scale_ptr, row * scale_stride, HAS_WEIGHT,
+                                                       HAS_Z_LOSS)
+        if HAS_Z_LOSS:
+            softmax_scale = gl.where(valid, softmax_scale, 0.0)  # an ignored row's lse is NaN (or a placeholder)
         exponent_offset = gl.log2(row_sum)
         if POSITIVE_SCALE:
             exponent_offset -= gl.log2(gl.where(valid, row_scale, 1.0))
         exponent_offset = gl.where(target_ok, exponent_offset, float("nan"))  # bad target: NaN gradient
         exponent_offset = gl.where(valid, exponent_offset, float("inf"))
         smoothing_term = scale * (label_smoothing / V)
-        grad = _softmax_gradient(x_partial, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
-                                 HAS_SMOOTHING, FAST_EXP2)
+        grad = _softmax_gradient(x_partial, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
+                                 HAS_SMOOTHING, FAST_EXP2, partial_offsets, weight_ptr, softcap, HAS_WEIGHT,
+                                 HAS_SOFTCAP)
         gl.store(grad_row + partial_offsets, _round_to(gl.where(valid, grad, 0.0), grad_ptr.dtype.element_ty),
                  mask=partial_mask, eviction_policy="evict_first")
         for u in gl.static_range(N):
             _smem_pass2_step(u, ring, ring_base, kept, logits_row, valid, next_row_ptr, next_valid, grad_row,
-                             chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile, N, K, Q, BLOCK_V,
-                             POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2)
+                             chunk_offsets, row_max, exponent_offset, softmax_scale, smoothing_term, tile, N, K, Q,
+                             BLOCK_V, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
+                             HAS_SOFTCAP)
         # The one-hot term, after every thread's stores of this row (as in the row kernel).
         gl.thread_barrier()
-        target_grad = _softmax_gradient(x_target, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE,
-                                        HAS_SMOOTHING, FAST_EXP2) - scale * (1.0 - label_smoothing)
+        one_hot = target_scale * (1.0 - label_smoothing)
+        if HAS_SOFTCAP:
+            one_hot = one_hot * _softcap_slope(logit_target, softcap)
+        target_grad = _softmax_gradient(x_target, row_max, exponent_offset, softmax_scale, smoothing_term,
+                                        POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, target, weight_ptr, softcap,
+                                        HAS_WEIGHT, HAS_SOFTCAP) - one_hot
         gl.store(grad_row + target, _round_to(target_grad, grad_ptr.dtype.element_ty), mask=target_ok & valid)
+        if TRACK_ARGMAX:
+            predicted = _argmax_in_lane(x_argmax.to(tl.float32), argmax_columns, V, softcap, HAS_SOFTCAP, FAST_EXP2)
+            gl.store(predicted_ptr + row, gl.where(valid, predicted, -1))
         ring_base = (ring_base + 2 * K) % Q
         target = next_target
     async_copy.wait_group(0)  # no copy may still be writing shared memory when the program exits
@@ -1314,6 +1804,32 @@ def _main(argv=None):
     failed |= not ok
     print(f"cross_entropy        {args.dtype} [{N}, {V}]: max rel err loss {loss_err:.1e}, grad {grad_err:.1e} "
           f"(PyTorch {args.dtype}: {torch_err:.1e}) {'PASS' if ok else 'FAIL'}")
+
+    # The extras together: class weights, z-loss, softcap (with label smoothing), and the token accuracy, with every
+    # other row's target its argmax.
+    class_weights = (torch.rand(V, device=KERNEL_DEVICE) + 0.5).to(dtype)
+    argmax = logits.float().argmax(dim=-1)
+    valid = targets != -100
+    hits = torch.where(valid & (torch.arange(N, device=KERNEL_DEVICE) % 2 == 0), argmax, targets)
+    extras = dict(lse_square_scale=1e-4, softcap=30.0, label_smoothing=0.1)
+
+    def reference_extras(x):
+        capped = 30.0 * torch.tanh(x / 30.0)
+        z_loss = torch.where(valid, 1e-4 * torch.logsumexp(capped, dim=-1) ** 2, 0.0).sum() / valid.sum()
+        return F.cross_entropy(capped, hits, weight=class_weights.to(x.dtype), label_smoothing=0.1) + z_loss
+
+    ref = errors(reference_extras, [logits.double()])
+    same_dtype = errors(reference_extras, [logits])
+    ours = errors(lambda x: cross_entropy(x, hits, weight=class_weights, **extras), [logits])
+    accuracy = cross_entropy(logits, hits, weight=class_weights, return_token_accuracy=True, **extras).token_accuracy
+    loss_err, grad_err = _max_rel_err(ours[0], ref[0]), _max_rel_err(ours[1][0], ref[1][0])
+    torch_err = _max_rel_err(same_dtype[1][0], ref[1][0])
+    ok = (loss_err <= 1e-5 and grad_err <= max(3 * torch_err, floor)
+          and accuracy == (argmax == hits)[valid].float().mean())  # the lowest column among equal maxima, as here
+    failed |= not ok
+    print(f"  + extras           weight, z-loss, softcap, smoothing: max rel err loss {loss_err:.1e}, grad "
+          f"{grad_err:.1e} (PyTorch {args.dtype}: {torch_err:.1e}); token accuracy {accuracy.item():.3f} "
+          f"{'PASS' if ok else 'FAIL'}")
 
     hidden = torch.randn(N, H, device=KERNEL_DEVICE).to(dtype)
     weight = (torch.randn(V, H, device=KERNEL_DEVICE) * 2 / H**0.5).to(dtype)

@@ -1,5 +1,5 @@
-"""Correctness tests for cross_entropy_kernel.py: the fused cross-entropy, the fused linear cross-entropy, and the
-launcher's choice of kernel.
+"""Correctness tests for cross_entropy_kernel.py: the fused cross-entropy, the fused linear cross-entropy, their
+extras (class weights, z-loss, softcap, token accuracy, predicted tokens), and the launcher's choice of kernel.
 
     pytest cross_entropy_test.py -q      # or: python cross_entropy_test.py (pytest with a PASSED/FAILED line per check)
 
@@ -11,8 +11,11 @@ pass; ignored rows must be exactly 0; a mean over no rows must be NaN as in PyTo
 CPU: the row kernel, and the shared-memory kernel through its interpreter stand-in, with schedules (streamed chunks,
 ring slots) small enough for toy shapes. On the CPU the kernels run on Triton's interpreter, whose bf16 stores round
 to nearest even as the GPU's do, so the tolerances are the GPU's; an interpreter RuntimeWarning fails the test. The
-GPU-only checks (int64 offsets past 2^31 elements, peak memory, LLaMA-3 sizes, the row kernel where the shared-memory
-kernel is the default) are skipped there.
+extras' reference is F.cross_entropy with its own `weight` and label smoothing on softcap * tanh(logits / softcap),
+plus Liger's z-loss, in float64, by the same rule; the predicted tokens must equal the reference argmax (logits with a
+unique maximum; equal maxima are a test of their own: the lowest column wins) and the token accuracy the fraction
+derived from it. The GPU-only checks (int64 offsets past 2^31 elements, peak memory, LLaMA-3 sizes, the row kernel
+where the shared-memory kernel is the default, the extras at LLaMA-3 sizes) are skipped there.
 """
 import argparse
 import sys
@@ -392,11 +395,42 @@ def _bad_input_cases():
         ("linear: vocabulary of size 0", ValueError, lambda: ck.linear_cross_entropy(h, w[:0], t)),
         ("linear: unknown reduction", ValueError, lambda: ck.linear_cross_entropy(h, w, t, reduction="max")),
         ("linear module: label_smoothing", ValueError, lambda: ck.TritonLinearCrossEntropyLoss(label_smoothing=2.0)),
+        # the extras
+        ("weight of V - 1 classes", ValueError, lambda: ck.cross_entropy(x, t, weight=torch.rand(49, device=DEVICE))),
+        ("weight [1, V]", ValueError, lambda: ck.cross_entropy(x, t, weight=torch.rand(1, 50, device=DEVICE))),
+        ("integer weight", TypeError, lambda: ck.cross_entropy(x, t, weight=torch.ones(50, dtype=torch.long,
+                                                                                       device=DEVICE))),
+        ("weight not a tensor", TypeError, lambda: ck.cross_entropy(x, t, weight=[1.0] * 50)),
+        ("weight on another device", ValueError, lambda: ck.cross_entropy(x, t, weight=torch.rand(50, device="meta"))),
+        ("negative lse_square_scale", ValueError, lambda: ck.cross_entropy(x, t, lse_square_scale=-1e-4)),
+        ("NaN lse_square_scale", ValueError, lambda: ck.cross_entropy(x, t, lse_square_scale=float("nan"))),
+        ("infinite lse_square_scale", ValueError, lambda: ck.cross_entropy(x, t, lse_square_scale=float("inf"))),
+        ("tensor lse_square_scale", TypeError, lambda: ck.cross_entropy(x, t, lse_square_scale=torch.tensor(0.1))),
+        ("softcap 0", ValueError, lambda: ck.cross_entropy(x, t, softcap=0.0)),
+        ("negative softcap", ValueError, lambda: ck.cross_entropy(x, t, softcap=-30.0)),
+        ("infinite softcap", ValueError, lambda: ck.cross_entropy(x, t, softcap=float("inf"))),
+        ("NaN softcap", ValueError, lambda: ck.cross_entropy(x, t, softcap=float("nan"))),
+        ("return flag not a bool", TypeError, lambda: ck.cross_entropy(x, t, return_token_accuracy=1)),
+        ("launcher: weight shape", ValueError,
+         lambda: ck.cross_entropy_forward(x, t, weight=torch.rand(5, device=DEVICE))),
+        ("module: softcap", ValueError, lambda: ck.TritonCrossEntropyLoss(softcap=-1.0)),
+        ("module: integer weight", TypeError,
+         lambda: ck.TritonCrossEntropyLoss(weight=torch.ones(50, dtype=torch.int))),
+        ("module: return flag", TypeError, lambda: ck.TritonCrossEntropyLoss(return_z_loss="yes")),
+        ("linear: ce_weight shape", ValueError,
+         lambda: ck.linear_cross_entropy(h, w, t, ce_weight=torch.rand(8, device=DEVICE))),
+        ("linear: ce_weight dtype", TypeError,
+         lambda: ck.linear_cross_entropy(h, w, t, ce_weight=torch.ones(50, dtype=torch.bool, device=DEVICE))),
+        ("linear: lse_square_scale", ValueError, lambda: ck.linear_cross_entropy(h, w, t, lse_square_scale=-1.0)),
+        ("linear: softcap", ValueError, lambda: ck.linear_cross_entropy(h, w, t, softcap=0)),
+        ("linear module: lse_square_scale", ValueError,
+         lambda: ck.TritonLinearCrossEntropyLoss(lse_square_scale=float("nan"))),
     ] + ([  # on a GPU machine the kernels run on CUDA: CPU tensors must be refused, not sent to a GPU kernel
         ("CPU logits with CUDA kernels", ValueError, lambda: ck.cross_entropy(x.cpu(), t.cpu())),
         ("CPU targets with CUDA logits", ValueError, lambda: ck.cross_entropy(x, t.cpu())),
         ("linear: CPU inputs with CUDA kernels", ValueError,
          lambda: ck.linear_cross_entropy(h.cpu(), w.cpu(), t.cpu())),
+        ("CPU class weights with CUDA logits", ValueError, lambda: ck.cross_entropy(x, t, weight=torch.rand(50))),
     ] if ON_GPU else [])
 
 
@@ -438,6 +472,17 @@ def test_empty_input(reduction, shape):
             assert value.shape == shape and ref.numel() == 0, f"none: shape {tuple(value.shape)}"
     assert grad.shape == logits.shape and dh.shape == hidden.shape and dw.shape == weight.shape
     assert torch.all(dw == 0), "no rows: the weight gradient is zero"
+    # With the extras: the z-loss reduces like the loss, the token accuracy of no row is NaN (0 / 0) or empty.
+    extras = dict(weight=torch.rand(V, device=DEVICE), lse_square_scale=1e-3, softcap=5.0, return_z_loss=True,
+                  return_token_accuracy=True, return_predicted_tokens=True)
+    for out in (ck.cross_entropy(logits, targets, reduction=reduction, **extras),
+                ck.linear_cross_entropy(hidden, weight, targets, reduction=reduction,
+                                        ce_weight=extras.pop("weight"), **extras)):
+        assert out.predicted_tokens.shape == shape and out.z_loss.shape == out.loss.shape
+        if reduction == "none":
+            assert out.token_accuracy.shape == shape and out.z_loss.shape == shape
+        else:
+            assert torch.isnan(out.token_accuracy) and torch.isnan(out.z_loss) == (reduction == "mean")
 
 
 
@@ -481,6 +526,20 @@ def test_dispatch_rule(gpu):
             ck._pick_smem_plan(128256, 2, 16384, True, True, properties, kernel="smem")
     # Whatever the GPU: kernel="rows" forces the row kernel.
     assert ck._pick_smem_plan(128256, 2, 16384, True, True, properties, kernel="rows") is None
+
+
+def test_dispatch_extras(monkeypatch):
+    """Launches with extras take the shared-memory kernel while _SMEM_SUPPORTS_EXTRAS; set to False, the row kernel
+    (and forcing the shared-memory kernel raises). Checked on the plan, and end to end on this machine's kernels."""
+    h200 = GPUS["H200"]
+    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, extras=True) == (8192, 32, 15, 4, 2)
+    monkeypatch.setattr(ck, "_SMEM_SUPPORTS_EXTRAS", False)
+    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, extras=True) is None
+    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, extras=False) is not None
+    with pytest.raises(ValueError, match="does not apply"):
+        ck._pick_smem_plan(128256, 2, 16384, True, True, h200, kernel="smem", extras=True)
+    check_extras("bf16", (9, 1520), "mean", 0.2, weight=True, lse_square_scale=1e-2, softcap=4.0,
+                 returns=("z", "acc", "pred"), block_v=256)
 
 
 def test_dispatch_row_kernel_cases(monkeypatch):
@@ -643,10 +702,349 @@ def test_linear_no_grad_and_errors():
         torch.autograd.grad(loss, hidden)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Extras (class weights, z-loss, softcap, token accuracy, predicted tokens) against float64 PyTorch
+# ----------------------------------------------------------------------------------------------------------------------
+RETURN_FLAGS = {"z": "return_z_loss", "acc": "return_token_accuracy", "pred": "return_predicted_tokens"}
 
 
+def extras_loss(logits, targets, weight=None, lse_square_scale=0.0, softcap=None, ignore_index=-100,
+                reduction="mean", label_smoothing=0.0):
+    """The extras in PyTorch, differentiable, in the logits' dtype: F.cross_entropy (its own class weights and label
+    smoothing) on softcap * tanh(logits / softcap), plus Liger's z-loss (lse_square_scale * logsumexp^2 per
+    non-ignored row, reduced like the loss, unweighted, "mean" over the non-ignored rows). Returns (loss, z_loss,
+    argmax per row or -1 where ignored)."""
+    V = logits.shape[-1]
+    capped = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    rows, flat_targets = capped.reshape(-1, V), targets.reshape(-1).long()
+    ce = F.cross_entropy(rows, flat_targets, weight=None if weight is None else weight.to(logits.dtype),
+                         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    valid = flat_targets != ignore_index
+    z_rows = torch.where(valid, lse_square_scale * torch.logsumexp(rows, dim=-1) ** 2, 0.0)
+    z_loss = {"mean": z_rows.sum() / valid.sum(), "sum": z_rows.sum(), "none": z_rows}[reduction]
+    if reduction == "none":
+        ce, z_loss = ce.view(targets.shape), z_loss.view(targets.shape)
+    predicted = torch.where(targets != ignore_index, capped.detach().argmax(dim=-1), -1)
+    return ce + z_loss, z_loss.detach(), predicted
 
 
+def reference_extras(logits, targets, grad_output, dtype, **options):
+    """extras_loss on logits converted to `dtype`: (loss, grad of logits, z_loss, predicted)."""
+    x = logits.detach().to(dtype).requires_grad_()
+    loss, z_loss, predicted = extras_loss(x, targets, **options)
+    loss.backward(grad_output.to(dtype))
+    return loss.detach(), x.grad, z_loss, predicted
+
+
+def untie(values):
+    """Raise each row's largest value by 1 (in place, rounded to the dtype): a unique argmax, so that the predicted
+    tokens have one right answer."""
+    rows = values.view(-1, values.shape[-1])
+    index = torch.arange(rows.shape[0], device=rows.device)
+    top = rows.float().argmax(dim=-1)
+    rows[index, top] = (rows[index, top].float() + 1.0).to(rows.dtype)
+    return values
+
+
+def plant_argmax(targets, values, ignore_index=-100):
+    """Every other non-ignored row's target becomes its argmax, so that the token accuracy is neither 0 nor 1."""
+    flat = targets.view(-1)
+    kept = (flat != ignore_index).nonzero().flatten()[::2]
+    flat[kept] = values.reshape(-1, values.shape[-1]).float().argmax(dim=-1)[kept].to(flat.dtype)
+    return targets
+
+
+def class_weights(V, dtype, signed=False):
+    """Random class weights exact in `dtype`, so that PyTorch in that dtype and our fp32 copy use the same values."""
+    w = torch.rand(V, device=DEVICE) * 2 + (-0.5 if signed else 0.1)
+    return w.to(dtype).to(torch.float32)
+
+
+def check_output_fields(out, returns):
+    if not returns:
+        assert isinstance(out, torch.Tensor), f"no return_* flag: a tensor, got {type(out).__name__}"
+        return out
+    assert isinstance(out, ck.CrossEntropyOutput), f"a return_* flag: a CrossEntropyOutput, got {type(out).__name__}"
+    for key, field in (("z", "z_loss"), ("acc", "token_accuracy"), ("pred", "predicted_tokens")):
+        assert (getattr(out, field) is None) == (key not in returns), f"{field} should be None iff not asked for"
+        if key in returns and field != "predicted_tokens":
+            assert getattr(out, field).dtype == torch.float32 and not getattr(out, field).requires_grad, field
+    if "pred" in returns:
+        assert out.predicted_tokens.dtype == torch.int64
+    return out.loss
+
+
+def check_extra_outputs(out, returns, reduction, targets, ref_z, ref_predicted, lse_square_scale, predicted_ok=None,
+                        eager_z=None):
+    """z_loss, token_accuracy and predicted_tokens against the reference. predicted_ok: the rows whose argmax is
+    unambiguous (all by default); eager_z: PyTorch's z-loss from the same rounded logits, where ours has them too
+    (the linear cross-entropy's matmul output)."""
+    valid = targets != -100
+    if "z" in returns:
+        assert out.z_loss.shape == ref_z.shape
+        if lse_square_scale == 0 or not bool(valid.any()):
+            assert torch.equal(torch.isnan(out.z_loss), torch.isnan(ref_z)), f"z_loss {out.z_loss} vs {ref_z}"
+            assert torch.all((out.z_loss == 0) | torch.isnan(out.z_loss))
+        elif eager_z is None:
+            assert rel_err(out.z_loss, ref_z) <= LOSS_FP32_TOL
+        else:
+            assert_no_worse("z_loss", rel_err(out.z_loss, ref_z), rel_err(eager_z, ref_z), LOSS_FP32_TOL)
+    predicted = out.predicted_tokens if "pred" in returns else None
+    if predicted is not None:
+        ok = torch.ones_like(valid) if predicted_ok is None else predicted_ok | ~valid
+        assert predicted.shape == targets.shape
+        assert torch.equal(predicted[ok], ref_predicted[ok]), "predicted tokens differ from the reference argmax"
+        assert torch.all(predicted[~valid] == -1), "ignored rows predict -1"
+    if "acc" in returns:
+        if predicted is None:
+            predicted = ref_predicted
+        correct = ((predicted == targets) & valid).float()
+        expected = correct if reduction == "none" else correct.sum() / valid.sum()
+        assert out.token_accuracy.shape == expected.shape
+        assert torch.allclose(out.token_accuracy, expected, rtol=1e-6, atol=0, equal_nan=True), \
+            f"token accuracy {out.token_accuracy} != {expected}"
+        if reduction != "none" and bool(valid.any()):
+            assert 0 < out.token_accuracy < 1, "the planted targets make the accuracy neither 0 nor 1"
+
+
+EXTRA_CASES = [
+    # each extra alone, with 20 % ignored rows, by dtype, reduction and kernel (chunk widths as in CE_CASES)
+    case(dtype="bf16", shape=(10, 1000), reduction="mean", ignore_frac=0.2, weight=True),
+    case(dtype="fp32", shape=(3, 4, 700), reduction="none", ignore_frac=0.2, weight=True),
+    case(dtype="bf16", shape=(9, 1520), reduction="sum", ignore_frac=0.2, weight="signed", kernel="smem",
+         block_v=256, n_streamed=3, n_ring=2),
+    case(dtype="bf16", shape=(10, 1000), reduction="mean", ignore_frac=0.2, lse_square_scale=1e-2, returns=("z",)),
+    case(dtype="fp32", shape=(8, 257), reduction="sum", ignore_frac=0.2, lse_square_scale=1e-3, returns=("z",)),
+    case(dtype="bf16", shape=(2, 5, 1008), reduction="none", ignore_frac=0.2, lse_square_scale=1e-2, returns=("z",),
+         kernel="smem", block_v=256, n_streamed=2, n_ring=1),
+    case(dtype="fp32", shape=(10, 1000), reduction="mean", ignore_frac=0.2, softcap=5.0),
+    case(dtype="bf16", shape=(9, 1520), reduction="mean", ignore_frac=0.2, softcap=3.0, kernel="smem", block_v=256,
+         n_streamed=3, n_ring=2),
+    case(dtype="fp16", shape=(2, 6, 600), reduction="none", ignore_frac=0.2, softcap=4.0, kernel="rows", block_v=128),
+    case(dtype="bf16", shape=(12, 1000), reduction="mean", ignore_frac=0.2, returns=("acc", "pred")),
+    case(dtype="fp32", shape=(3, 4, 300), reduction="none", ignore_frac=0.25, returns=("acc",)),
+    case(dtype="bf16", shape=(13, 2000), reduction="sum", ignore_frac=0.2, returns=("acc", "pred"), kernel="smem",
+         block_v=256, n_streamed=5, n_ring=3),
+    # with label smoothing: class weights change its term (sum_j w_j (lse - x_j)), and the others must compose
+    case(dtype="fp32", shape=(10, 900), reduction="mean", ignore_frac=0.25, label_smoothing=0.1, weight=True),
+    case(dtype="bf16", shape=(9, 1520), reduction="mean", ignore_frac=0.25, label_smoothing=0.1, weight=True,
+         kernel="smem", block_v=256, n_streamed=2, n_ring=2),
+    case(dtype="bf16", shape=(10, 900), reduction="sum", ignore_frac=0.25, label_smoothing=0.2, softcap=4.0,
+         lse_square_scale=1e-2, returns=("z",)),
+    # everything at once (mean divides the cross-entropy by sum w[target] and the z-loss by the row count), both
+    # kernels, a gradient from upstream, in place, 3-D, the module
+    *[case(dtype=d, shape=(9, 1520), reduction=r, ignore_frac=0.25, label_smoothing=0.1, weight=True,
+           lse_square_scale=1e-2, softcap=4.0, returns=("z", "acc", "pred"), kernel=k, block_v=256, upstream=u,
+           **({"n_streamed": 3, "n_ring": 2} if k == "smem" else {}))
+      for d, r, k, u in (("bf16", "mean", "smem", -1.5), ("bf16", "none", "smem", 1.0), ("fp32", "mean", "rows", 2.0),
+                         ("bf16", "sum", "rows", 1.0))],
+    case(dtype="bf16", shape=(3, 5, 1104), reduction="mean", ignore_frac=0.2, weight=True, lse_square_scale=1e-2,
+         softcap=5.0, returns=("z", "acc", "pred"), kernel="smem", block_v=256, n_streamed=2, n_ring=1, inplace=True),
+    case(dtype="bf16", shape=(2, 6, 700), reduction="mean", ignore_frac=0.2, weight=True, lse_square_scale=1e-2,
+         softcap=5.0, returns=("z", "acc", "pred"), inplace=True),
+    case(dtype="bf16", shape=(10, 800), reduction="mean", ignore_frac=0.2, weight=True, lse_square_scale=1e-2,
+         returns=("acc",), use_module=True),
+    # every row ignored: mean NaN (loss, z-loss, accuracy), sum 0, predicted -1, gradients 0
+    *[case(dtype=d, shape=(8, 1008), reduction=r, ignore_frac=1.0, weight=True, lse_square_scale=1e-2, softcap=4.0,
+           label_smoothing=0.1, returns=("z", "acc", "pred"), kernel=k, block_v=256,
+           **({"n_streamed": 1, "n_ring": 1} if k == "smem" else {}))
+      for d, r, k in (("bf16", "mean", "smem"), ("fp32", "sum", "rows"), ("bf16", "none", "rows"))],
+    # z_loss asked for with lse_square_scale = 0: zeros, as in Liger
+    case(dtype="fp32", shape=(6, 300), reduction="mean", ignore_frac=0.2, returns=("z",)),
+]
+
+
+def check_extras(dtype, shape, reduction, ignore_frac, weight=False, lse_square_scale=0.0, softcap=None, returns=(),
+                 label_smoothing=0.0, kernel=None, block_v=None, n_streamed=None, n_ring=None, inplace=False,
+                 upstream=1.0, use_module=False):
+    """One case of EXTRA_CASES: loss, gradient and the returned extras against the float64 reference."""
+    if kernel == "smem" and not SMEM_RUNS_HERE:
+        pytest.skip("the shared-memory kernel runs only on compute capability 9.x GPUs (and the CPU interpreter)")
+    dtype = DTYPES[dtype]
+    V = shape[-1]
+    values = untie((torch.randn(shape, device=DEVICE) * 3).to(dtype))
+    targets = plant_argmax(make_targets(shape[:-1], V, ignore_frac).to(DEVICE), values)
+    w = class_weights(V, dtype, signed=weight == "signed") if weight else None
+    kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)
+    extras = dict(weight=w, lse_square_scale=lse_square_scale, softcap=softcap,
+                  **{flag: key in returns for key, flag in RETURN_FLAGS.items()})
+    if reduction == "none":
+        grad_output = torch.randn(shape[:-1], device=DEVICE)
+    else:
+        grad_output = torch.tensor(upstream, device=DEVICE)
+    options = dict(weight=w, lse_square_scale=lse_square_scale, softcap=softcap, **kwargs)
+    ref_loss, ref_grad, ref_z, ref_predicted = reference_extras(values, targets, grad_output, torch.float64, **options)
+    _, torch_grad, _, _ = reference_extras(values, targets, grad_output, dtype, **options)
+
+    leaf = values.clone().requires_grad_()
+    if block_v is not None or kernel is not None:
+        out, grad = ck.cross_entropy_forward(leaf.detach(), targets, compute_grad=True, inplace_backward=inplace,
+                                             kernel=kernel, block_v=block_v, n_streamed=n_streamed, n_ring=n_ring,
+                                             **kwargs, **extras)
+        grad = ck.cross_entropy_backward(grad, grad_output)
+    else:
+        if use_module:
+            out = ck.TritonCrossEntropyLoss(inplace_backward=inplace, **kwargs, **extras)(leaf, targets)
+        else:
+            out = ck.cross_entropy(leaf, targets, inplace_backward=inplace, **kwargs, **extras)
+        check_output_fields(out, returns).backward(grad_output)
+        grad = leaf.grad
+    loss = check_output_fields(out, returns)
+    assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape, f"loss {loss.dtype} {tuple(loss.shape)}"
+    check_extra_outputs(out, returns, reduction, targets, ref_z, ref_predicted, lse_square_scale)
+
+    ignored = targets == -100
+    assert torch.all(grad[ignored] == 0), "ignored rows must get an exactly zero gradient"
+    if bool(ignored.all()):
+        if reduction == "mean":
+            assert torch.isnan(loss) and torch.isnan(ref_loss), f"mean over no rows: ours {loss}, torch {ref_loss}"
+        else:
+            assert torch.all(loss == 0) and torch.all(ref_loss == 0)
+        return
+    if reduction == "none":
+        assert torch.all(loss[ignored] == 0), "ignored rows must have loss 0"
+    assert rel_err(loss, ref_loss) <= LOSS_FP32_TOL, f"loss error {rel_err(loss, ref_loss):.3e}"
+    assert_no_worse("grad", rel_err(grad, ref_grad), rel_err(torch_grad, ref_grad), GRAD_FLOOR[dtype])
+
+
+def extra_case_id(c):
+    return case_id({k: (v if k != "returns" else "+".join(v)) for k, v in c.items()})
+
+
+@pytest.mark.parametrize("params", EXTRA_CASES, ids=[extra_case_id(c) for c in EXTRA_CASES])
+def test_extras_match_float64(params):
+    check_extras(**params)
+
+
+@pytest.mark.parametrize("kernel", ["rows", "smem"])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_argmax_ties(kernel, softcap):
+    """Equal maxima in one row: the lowest column wins, as in torch.argmax, in both kernels. The shared-memory kernel
+    visits chunks out of order (here 7 chunks of 256, 3 streamed), so the tie rule must not depend on the order."""
+    if kernel == "smem" and not SMEM_RUNS_HERE:
+        pytest.skip("the shared-memory kernel runs only on compute capability 9.x GPUs (and the CPU interpreter)")
+    V, block = 1904, 256  # 7 whole chunks and a partial one of 112 columns
+    ties = [[5 * block + 9, 1 * block + 9],  # same lane and position in a kept and a streamed chunk
+            [3, 4, 1000],  # two columns of one lane
+            [7 * block + 100, 7 * block + 101],  # in the partial chunk only
+            [7 * block + 3, 2 * block + 3 + 8],  # partial chunk and a neighbouring lane of chunk 2
+            [17, 4 * block + 17, 6 * block + 17, 7 * block + 17],
+            [V - 1]]
+    values = (torch.randn(len(ties), V, device=DEVICE) * 3).to(torch.bfloat16)
+    for row, columns in enumerate(ties):
+        values[row, columns] = 20.0
+    targets = torch.tensor([max(columns) for columns in ties], device=DEVICE)  # not the first tied column
+    expected = torch.tensor([min(columns) for columns in ties], device=DEVICE)
+    out, _ = ck.cross_entropy_forward(values, targets, softcap=softcap, return_predicted_tokens=True,
+                                      return_token_accuracy=True, kernel=kernel, block_v=block,
+                                      **({"n_streamed": 3, "n_ring": 2} if kernel == "smem" else {}))
+    assert torch.equal(out.predicted_tokens, expected), f"{out.predicted_tokens} != {expected}"
+    assert out.token_accuracy == 1 / len(ties)  # only the one-column row predicts its target
+
+
+def test_extras_output_and_autograd():
+    """Without a return_* flag: a tensor, as without extras. With one: a CrossEntropyOutput whose loss includes the
+    z-loss and carries the only gradient; the module returns the same; no_grad gives the same fields."""
+    V = 500
+    logits = untie(torch.randn(12, V, device=DEVICE) * 3).requires_grad_()
+    targets = plant_argmax(make_targets((12,), V, 0.2).to(DEVICE), logits.detach())
+    plain = ck.cross_entropy(logits, targets)
+    out = ck.cross_entropy(logits, targets, lse_square_scale=1e-3, return_z_loss=True, return_token_accuracy=True)
+    assert isinstance(plain, torch.Tensor) and isinstance(out, ck.CrossEntropyOutput)
+    assert out.predicted_tokens is None and out.z_loss is not None and out.token_accuracy is not None
+    assert torch.allclose(out.loss, plain + out.z_loss, rtol=1e-6), "the loss includes the z-loss"
+    loss, z_loss, accuracy, predicted = out  # a named tuple: unpacks like Liger's four outputs
+    assert loss.requires_grad and not z_loss.requires_grad and not accuracy.requires_grad
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_loss, ref_grad, _, _ = reference_extras(logits, targets, torch.tensor(1.0, device=DEVICE), torch.float64,
+                                                lse_square_scale=1e-3)
+    assert rel_err(grad, ref_grad) <= GRAD_FLOOR[torch.float32] * 10
+    module = ck.TritonCrossEntropyLoss(lse_square_scale=1e-3, return_z_loss=True, return_token_accuracy=True)
+    module_out = module(logits, targets)
+    assert torch.allclose(module_out.loss, out.loss) and torch.equal(module_out.token_accuracy, out.token_accuracy)
+    with torch.no_grad():
+        no_grad_out = ck.cross_entropy(logits, targets, lse_square_scale=1e-3, return_z_loss=True,
+                                       return_token_accuracy=True)
+    assert torch.allclose(no_grad_out.loss, out.loss) and torch.equal(no_grad_out.z_loss, out.z_loss)
+    weighted = ck.TritonCrossEntropyLoss(weight=torch.rand(V, device=DEVICE))
+    assert "weight" in dict(weighted.named_buffers()), "the class weights are a buffer (they move with .to())"
+
+
+LCE_EXTRA_CASES = [
+    case(dtype="fp32", hidden_shape=(40, 24), V=300, reduction="mean", ignore_frac=0.2, bias=True, chunk_size=17,
+         weight=True, label_smoothing=0.1),
+    case(dtype="bf16", hidden_shape=(40, 24), V=300, reduction="sum", ignore_frac=0.2, chunk_size=16,
+         lse_square_scale=1e-2, softcap=4.0, returns=("z",)),
+    case(dtype="bf16", hidden_shape=(2, 13, 24), V=300, reduction="mean", ignore_frac=0.2, chunk_size=10,
+         returns=("acc", "pred")),
+    case(dtype="fp32", hidden_shape=(30, 16), V=200, reduction="none", ignore_frac=0.2, bias=True, chunk_size=7,
+         weight=True, lse_square_scale=1e-2, softcap=4.0, label_smoothing=0.1, returns=("z", "acc", "pred")),
+    case(dtype="bf16", hidden_shape=(32, 16), V=500, reduction="mean", ignore_frac=0.25, chunk_size=11,
+         weight=True, lse_square_scale=1e-2, softcap=5.0, returns=("z", "acc", "pred"), use_module=True),
+    case(dtype="fp32", hidden_shape=(16, 16), V=100, reduction="mean", ignore_frac=1.0, chunk_size=5, weight=True,
+         lse_square_scale=1e-2, returns=("z", "acc", "pred")),
+]
+
+
+def check_linear_extras(dtype, hidden_shape, V, reduction, ignore_frac, bias=False, chunk_size=None, weight=False,
+                        lse_square_scale=0.0, softcap=None, returns=(), label_smoothing=0.0, use_module=False):
+    """linear_cross_entropy with extras against float64 F.linear + the extras' reference. Predicted tokens are
+    compared on the rows whose two largest float64 logits are further apart than the dtype's matmul rounding."""
+    dtype = DTYPES[dtype]
+    H = hidden_shape[-1]
+    hidden = torch.randn(hidden_shape, device=DEVICE).to(dtype)
+    lm_weight = (torch.randn(V, H, device=DEVICE) * 2 / H**0.5).to(dtype)
+    bias_values = torch.randn(V, device=DEVICE).to(dtype) if bias else None
+    logits64 = F.linear(hidden.double(), lm_weight.double(), None if bias_values is None else bias_values.double())
+    targets = plant_argmax(make_targets(hidden_shape[:-1], V, ignore_frac).to(DEVICE), logits64)
+    w = class_weights(V, dtype) if weight else None
+    kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)
+    if reduction == "none":
+        grad_output = torch.randn(hidden_shape[:-1], device=DEVICE)
+    else:
+        grad_output = torch.tensor(1.0, device=DEVICE)
+
+    def reference(target_dtype):
+        leaves = [None if x is None else x.to(target_dtype).requires_grad_() for x in (hidden, lm_weight, bias_values)]
+        loss, z_loss, predicted = extras_loss(F.linear(*leaves), targets, w, lse_square_scale, softcap, **kwargs)
+        grads = torch.autograd.grad(loss, [x for x in leaves if x is not None], grad_output.to(target_dtype))
+        return loss.detach(), grads, z_loss, predicted
+
+    ref_loss, ref_grads, ref_z, ref_predicted = reference(torch.float64)
+    eager_loss, eager_grads, eager_z, _ = reference(dtype)
+    leaves = [None if x is None else x.clone().requires_grad_() for x in (hidden, lm_weight, bias_values)]
+    extras = dict(ce_weight=w, lse_square_scale=lse_square_scale, softcap=softcap,
+                  **{flag: key in returns for key, flag in RETURN_FLAGS.items()})
+    if use_module:
+        out = ck.TritonLinearCrossEntropyLoss(chunk_size=chunk_size, **kwargs, **extras)(*leaves[:2], targets,
+                                                                                         leaves[2])
+    else:
+        out = ck.linear_cross_entropy(*leaves[:2], targets, leaves[2], chunk_size=chunk_size, **kwargs, **extras)
+    loss = check_output_fields(out, returns)
+    inputs = [x for x in leaves if x is not None]
+    grads = torch.autograd.grad(loss, inputs, grad_output)
+
+    top2 = (logits64.float() if softcap is None else softcap * torch.tanh(logits64 / softcap)).topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.1  # well above the dtype's rounding of a logit of magnitude ~5
+    check_extra_outputs(out, returns, reduction, targets, ref_z, ref_predicted, lse_square_scale, predicted_ok=clear,
+                        eager_z=eager_z)
+    ignored = targets == -100
+    if bool(ignored.all()):
+        if reduction == "mean":
+            assert torch.isnan(loss) and torch.isnan(ref_loss)
+        assert all(torch.all(g == 0) for g in grads), "all rows ignored: every gradient must be zero"
+        return
+    assert_no_worse("loss", rel_err(loss.detach(), ref_loss), rel_err(eager_loss, ref_loss), LOSS_FP32_TOL)
+    for name, ours, eager, ref in zip(("dh", "dW", "db"), grads, eager_grads, ref_grads):
+        assert ours.dtype == dtype and ours.shape == ref.shape, f"{name}: {ours.dtype} {tuple(ours.shape)}"
+        assert_no_worse(name, rel_err(ours, ref), rel_err(eager, ref), GRAD_FLOOR[dtype])
+
+
+@pytest.mark.parametrize("params", LCE_EXTRA_CASES, ids=[extra_case_id({"dtype": c["dtype"],
+                         "shape": c["hidden_shape"] + (c["V"],), **{k: v for k, v in c.items()
+                         if k not in ("dtype", "hidden_shape", "V")}}) for c in LCE_EXTRA_CASES])
+def test_linear_extras_match_float64(params):
+    check_linear_extras(**params)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -738,6 +1136,18 @@ def test_linear_llama_sizes():
     grads_mib = (hidden.numel() + weight.numel()) * 2 / 2**20
     chunk_mib = ck._lce_chunk_rows(N, LLAMA_V, 2, None) * LLAMA_V * 2 / 2**20
     assert peak <= grads_mib + 2 * chunk_mib + 64, f"peak +{peak:.0f} MiB, gradients {grads_mib:.0f} MiB"
+
+
+@gpu_only
+def test_extras_llama_sizes():
+    """Every extra (Gemma-2's softcap 30) at LLaMA-3 sizes in bf16 against float64: the launcher's default kernel
+    (the shared-memory one on an H100/H200), the row kernel in place, and the linear cross-entropy."""
+    options = dict(weight=True, lse_square_scale=1e-4, softcap=30.0, label_smoothing=0.1, returns=("z", "acc", "pred"))
+    check_extras("bf16", (4096, LLAMA_V), "mean", 0.2, **options)
+    check_extras("bf16", (2048, LLAMA_V), "none", 0.2, kernel="rows", inplace=True, **options)
+    check_linear_extras("bf16", (2048, LLAMA_H), LLAMA_V, "mean", 0.2, lse_square_scale=1e-4,
+                        returns=("z", "acc", "pred"))
+
 
 if __name__ == "__main__":
     # `python x_test.py` runs pytest on this file and ends with one PASSED / FAILED / SKIPPED line per check (pytest's
