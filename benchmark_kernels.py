@@ -47,6 +47,7 @@ that way).
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import math
@@ -272,37 +273,62 @@ def cross_entropy_case(tokens, dims, dtype, gen):
     return Case([logits, targets], {"dlogits": 0}, None, "loss", {"tokens": tokens, "vocab": vocab})
 
 
-def cross_entropy_reference(case):
+def _loss_sum(logits, targets, lse_square_scale=0.0, softcap=None, return_token_accuracy=False):
+    """Sum over rows of the loss with the extras a variant asks for (Liger's meaning): logits softcapped to
+    softcap * tanh(logits / softcap) first, plus lse_square_scale * lse^2 per row (z-loss). Token accuracy changes
+    nothing in the loss. Every target is valid in these cases, so "mean" is this sum over the rows."""
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if lse_square_scale:
+        loss = loss + lse_square_scale * (torch.logsumexp(logits, dim=-1) ** 2).sum()
+    return loss
+
+
+def cross_entropy_reference(case, **options):
     logits, targets = case.args
     n_rows, vocab = logits.shape
     loss = torch.zeros((), dtype=torch.float64, device=DEVICE)
     grad = torch.empty(n_rows, vocab, dtype=torch.float64, device=DEVICE)
     for start, end in _reference_chunks(n_rows, vocab):
         chunk = logits[start:end].detach().double().requires_grad_()
-        part = F.cross_entropy(chunk, targets[start:end], reduction="sum") / n_rows  # "mean": all targets are valid
+        part = _loss_sum(chunk, targets[start:end], **options) / n_rows  # "mean": all targets are valid
         part.backward()
         loss += part.detach()
         grad[start:end] = chunk.grad
     return {"loss": loss, "dlogits": grad}
 
 
-def torch_fp32_cross_entropy(logits, targets):
-    """What transformers' loss does: upcast the logits to fp32, then F.cross_entropy."""
-    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
+def torch_fp32_cross_entropy(logits, targets, **options):
+    """What transformers' loss does: upcast the logits to fp32, then F.cross_entropy (with a variant's extras)."""
+    if not options:
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
+    return _loss_sum(logits.float(), targets, **options) / targets.numel()
 
 
 def torch_lowp_cross_entropy(logits, targets):
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
+def _loss_of(output):
+    """The loss tensor of a call that may return it with extras (ours: CrossEntropyOutput; Liger: a tuple)."""
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
 def _ours_cross_entropy(**options):
     from cross_entropy_kernel import cross_entropy
-    return lambda logits, targets: cross_entropy(logits, targets, **options)
+    return lambda logits, targets: _loss_of(cross_entropy(logits, targets, **options))
 
 
-def _liger_cross_entropy():
+def _liger_cross_entropy(**options):
     from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
-    return LigerCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+    loss = LigerCrossEntropyLoss(ignore_index=IGNORE_INDEX, **options)
+    return lambda logits, targets: _loss_of(loss(logits, targets))
+
+
+# The loss extras timed as variants (same names and values a Liger user passes).
+Z_LOSS_AND_ACCURACY = {"lse_square_scale": 1e-4, "return_token_accuracy": True}
+SOFTCAP = {"softcap": 30.0}
 
 
 _OURS_CE_NOTE = ("forward computes loss AND gradient (moves 2*N*V*s); backward only scales it by grad_output "
@@ -318,7 +344,7 @@ register(KernelSpec(
         Provider("ours_inplace", lambda: _ours_cross_entropy(inplace_backward=True),
                  "as ours, gradient written into the logits buffer (+0 MB); timed calls reuse the overwritten buffer "
                  "(same bytes and work), correctness uses fresh logits", ours=True),
-        Provider("torch_fp32", lambda: torch_fp32_cross_entropy,
+        Provider("torch_fp32", lambda **options: functools.partial(torch_fp32_cross_entropy, **options),
                  "logits.float() copy, fp32 log_softmax saved for the backward"),
         # In fp32 the low-precision path is the fp32 path: these two exist only in their own dtype.
         Provider("torch_bf16", lambda: torch_lowp_cross_entropy,
@@ -328,6 +354,13 @@ register(KernelSpec(
         Provider("torch_compile", lambda: _compiled(torch_fp32_cross_entropy), "torch.compile of the fp32 path"),
         Provider("liger", _liger_cross_entropy, "gradient written into the logits buffer during the forward; host "
                  "syncs (.item()) in forward and torch.equal in backward; loss in the logits' dtype"),
+        Provider("ours_zloss_acc", lambda **options: _ours_cross_entropy(inplace_backward=True, **options),
+                 "ours_inplace with z-loss (lse_square_scale=1e-4) and token accuracy", ours=True,
+                 options=Z_LOSS_AND_ACCURACY),
+        Provider("liger_zloss_acc", _liger_cross_entropy, "liger with the same options", options=Z_LOSS_AND_ACCURACY),
+        Provider("ours_softcap", lambda **options: _ours_cross_entropy(inplace_backward=True, **options),
+                 "ours_inplace with logit softcapping at 30 (Gemma-2)", ours=True, options=SOFTCAP),
+        Provider("liger_softcap", _liger_cross_entropy, "liger with the same option", options=SOFTCAP),
     ),
     bytes={"fwd": Count("N*V*s", _per_row(1, "vocab")), "fwd+bwd": Count("2*N*V*s", _per_row(2, "vocab"))},
     legend=("fwd reads the logits once (the loss alone); fwd+bwd also writes their gradient",
@@ -346,7 +379,7 @@ def linear_cross_entropy_case(tokens, dims, dtype, gen):
                 {"tokens": tokens, "hidden": hidden, "vocab": vocab})
 
 
-def linear_cross_entropy_reference(case):
+def linear_cross_entropy_reference(case, return_token_accuracy=False):
     h, weight, targets = case.args
     n_rows, vocab = h.shape[0], weight.shape[0]
     weight64 = weight.detach().double().requires_grad_()
@@ -361,14 +394,14 @@ def linear_cross_entropy_reference(case):
     return {"loss": loss, "dh": dh, "dW": weight64.grad}
 
 
-def eager_linear_cross_entropy(h, weight, targets):
+def eager_linear_cross_entropy(h, weight, targets, return_token_accuracy=False):
     """transformers: lm_head makes [N, V] logits in the model dtype, the loss upcasts them to fp32."""
     return F.cross_entropy((h @ weight.t()).float(), targets, ignore_index=IGNORE_INDEX)
 
 
 def _ours_linear_cross_entropy(**options):
     from cross_entropy_kernel import linear_cross_entropy
-    return lambda h, weight, targets: linear_cross_entropy(h, weight, targets, **options)
+    return lambda h, weight, targets: _loss_of(linear_cross_entropy(h, weight, targets, **options))
 
 
 def _liger_linear_cross_entropy():
@@ -391,17 +424,20 @@ def _ours_linear_cross_entropy_chunks(args):
 
 register(KernelSpec(
     name="linear_cross_entropy",
-    tokens_gpu=(1024, 4096, 16384), tokens_cpu=(4, 8),
+    tokens_gpu=(1024, 4096, 8192, 16384), tokens_cpu=(4, 8),
     dims_gpu={"hidden": 4096, "vocab": 128256}, dims_cpu={"hidden": 64, "vocab": 500},
     make_case=linear_cross_entropy_case, reference=linear_cross_entropy_reference, rule_provider="eager",
     fp32_outputs=("loss",),
     providers=(
         Provider("ours", _ours_linear_cross_entropy,
                  "loss and all gradients computed in the forward (token chunks); backward scales", ours=True),
-        Provider("eager", lambda: eager_linear_cross_entropy, "bf16 [N, V] logits, fp32 copy for the loss"),
+        Provider("eager", lambda **options: functools.partial(eager_linear_cross_entropy, **options),
+                 "bf16 [N, V] logits, fp32 copy for the loss"),
         Provider("liger", _liger_linear_cross_entropy, "loss and all gradients computed in the forward (token chunks)"),
         Provider("cce", _cce_linear_cross_entropy,
                  "filter_eps='high' (default): small gradient entries skipped (approximate)"),
+        Provider("ours_acc", _ours_linear_cross_entropy, "ours, also returning the token accuracy", ours=True,
+                 options={"return_token_accuracy": True}),
     ),
     extra_providers=_ours_linear_cross_entropy_chunks,
     flops={"fwd+bwd": Count("6*N*H*V", lambda shape, s: 6 * shape["tokens"] * shape["hidden"] * shape["vocab"])},
