@@ -467,15 +467,20 @@ def shift_labels_of(labels):
 # Loss: THE part the kernels change (compare with finetune_optimized.py)
 
 def compute_loss(model, input_ids, shift_labels, loss_impl, lce_chunk_size=None):
+    """(loss, token accuracy): the fraction of non-ignored positions whose most likely token is the label, which the
+    fused losses find in the same pass over the logits (return_token_accuracy)."""
     if loss_impl == "linear_ce":
         # Run the decoder body only and let the loss multiply by lm_head's weight chunk by chunk: no [B*T, V] logits.
         hidden = model.model(input_ids=input_ids).last_hidden_state  # [B, T, H]
-        return linear_cross_entropy(hidden, model.lm_head.weight, shift_labels, chunk_size=lce_chunk_size)
+        out = linear_cross_entropy(hidden, model.lm_head.weight, shift_labels, chunk_size=lce_chunk_size,
+                                   return_token_accuracy=True)
+        return out.loss, out.token_accuracy
     logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype
     # Same math as transformers' ForCausalLMLoss (fp32 loss, mean over non-ignored tokens) without an fp32 copy of the
     # logits. inplace_backward: the gradient overwrites the logits, which is safe because lm_head's backward needs
     # its input, not its output.
-    return cross_entropy(logits, shift_labels, inplace_backward=True)
+    out = cross_entropy(logits, shift_labels, inplace_backward=True, return_token_accuracy=True)
+    return out.loss, out.token_accuracy
 
 
 class ModelWithLoss(torch.nn.Module):
@@ -854,25 +859,29 @@ def main(argv=None):
     phase = {"now": "idle"}  # the part of the step that is running: names what ran out of memory
 
     def train_step(micro_batches):
-        """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss."""
+        """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss and
+        the token accuracy (None where the loss does not give it), both device tensors: no host sync."""
         if offloader is not None:
             offloader.new_step()
-        step_loss = 0.0
+        step_loss, step_accuracy = 0.0, 0.0
         for input_ids in micro_batches:
             phase["now"] = "forward"
-            loss = model_with_loss(input_ids, shift_labels_of(input_ids)) / len(micro_batches)
+            loss, accuracy = model_with_loss(input_ids, shift_labels_of(input_ids))
+            loss = loss / len(micro_batches)
             phase["now"] = "backward" if optimizer is not None else "backward (with the optimizer steps inside)"
             loss.backward()
             step_loss = step_loss + loss.detach()
+            step_accuracy = None if accuracy is None else step_accuracy + accuracy / len(micro_batches)
         phase["now"] = "optimizer step"
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         phase["now"] = "idle"
-        if args.fsdp:  # log the global batch's loss: the mean over ranks (every rank has the same token count)
-            step_loss = step_loss / world_size
-            dist.all_reduce(step_loss)  # sum of loss / world_size (gloo has no AVG); a collective, not a host sync
-        return step_loss
+        if args.fsdp:  # log the global batch's figures: the mean over ranks (every rank has the same token count)
+            for value in (step_loss, step_accuracy):
+                if value is not None:  # sum of value / world_size (gloo has no AVG); a collective, not a host sync
+                    dist.all_reduce(value.div_(world_size))
+        return step_loss, step_accuracy
 
     def warm_up(micro_batches):
         """The untimed first step: kernels compile, cuBLAS picks algorithms, the optimizer creates its state. The
@@ -889,7 +898,7 @@ def main(argv=None):
                  attention.register_forward_hook(stop_recording)]
         try:
             t0 = time.perf_counter()
-            loss = train_step(micro_batches)
+            loss, _ = train_step(micro_batches)
             sync()
         finally:
             for hook in hooks:
@@ -934,7 +943,7 @@ def main(argv=None):
             out_of_memory = False
             t0 = time.perf_counter()
             try:
-                loss = train_step(input_ids).item()  # .item(): the step has finished
+                loss = train_step(input_ids)[0].item()  # .item(): the step has finished
             except torch.OutOfMemoryError:
                 out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
             step_s = time.perf_counter() - t0
@@ -973,22 +982,25 @@ def main(argv=None):
         if HAS_CUDA:
             torch.cuda.reset_peak_memory_stats()
 
-        losses, step_times = [], []  # losses stay on the device; read once at the end
+        losses, accuracies, step_times = [], [], []  # device tensors, read once at the end
         progress = tqdm(range(1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
         for step in progress:
             # Synchronize around the host timer so the step's GPU work is inside the interval (launches are async).
             sync()
             t0 = time.perf_counter()
-            loss = train_step(batches[step])
+            loss, accuracy = train_step(batches[step])
             sync()
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
+            accuracies.append(accuracy)
             if step % args.log_interval == 0 or step == args.steps:
                 # The step already synchronized for timing, so reading the loss here costs no extra stall.
-                progress.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
+                progress.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
+                                     **({"acc": f"{accuracy.item():.3f}"} if accuracy is not None else {}))
         progress.close()
 
         losses = torch.stack(losses).tolist()
+        accuracies = None if accuracies[0] is None else torch.stack(accuracies).tolist()
         avg_step_s = sum(step_times) / len(step_times)
         tokens_per_s = tokens_per_step * len(step_times) / sum(step_times)
         peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
@@ -1022,7 +1034,8 @@ def main(argv=None):
         print(f"peak GPU memory : " + (f"{peak_gib:.2f} GiB ({peak_bytes / 1e9:.1f} GB)" if HAS_CUDA else "n/a (CPU)")
               + (f"; per rank {', '.join(f'{g:.2f}' for g in peak_gib_per_rank)} GiB" if args.fsdp and HAS_CUDA
                  else ""))
-        print(f"loss            : {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {args.steps})")
+        print(f"loss            : {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {args.steps})"
+              + (f" | token accuracy {accuracies[0]:.3f} -> {accuracies[-1]:.3f}" if accuracies else ""))
         print(f"attention       : {', '.join(attention_kernels) or 'no SDPA kernel seen'} | checkpointing "
               f"{args.activation_checkpointing}" + (f", MLP tiles of {args.tiled_mlp} tokens" if args.tiled_mlp else "")
               + (", optimizer in backward" if args.optimizer_in_backward else "")
@@ -1042,7 +1055,7 @@ def main(argv=None):
                        "tokens_per_s_per_gpu": tokens_per_s / world_size,
                        "peak_memory_gib": peak_gib, "peak_memory_bytes": peak_bytes,
                        "peak_memory_gib_per_rank": peak_gib_per_rank,
-                       "losses": losses, "step_ms": [1e3 * s for s in step_times],
+                       "losses": losses, "token_accuracies": accuracies, "step_ms": [1e3 * s for s in step_times],
                        "attention_kernels": attention_kernels, "offload": offload, "recompute": recompute})
 
     if rank == 0:

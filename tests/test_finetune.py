@@ -66,7 +66,7 @@ def parity_runs(tmp_path_factory):
 def test_json_contents(parity_runs):
     for name, (result, stdout) in parity_runs.items():
         assert result["weights"] == "random" and "random weights" in stdout
-        assert len(result["losses"]) == len(result["step_ms"]) == 5
+        assert len(result["losses"]) == len(result["step_ms"]) == len(result["token_accuracies"]) == 5
         for key in ("device", "torch", "triton", "transformers", "git_commit", "git_dirty", "command", "date",
                     "options", "avg_step_ms", "tokens_per_s", "peak_memory_gib", "warmup_loss"):
             assert key in result, (name, key)
@@ -131,7 +131,7 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
     original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
     try:
         loss, grads = loss_and_grads(
-            lambda: finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl), model)
+            lambda: finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl)[0], model)
     finally:
         modeling_llama.apply_rotary_pos_emb = original_rope
 
@@ -146,7 +146,7 @@ def test_baseline_loss_matches_transformers_with_ignored_labels():
     labels = input_ids.clone()
     labels[0, :4] = -100
     ref = model(input_ids=input_ids, labels=labels).loss
-    ours = finetune_baseline.compute_loss(model, input_ids, finetune_baseline.shift_labels_of(labels), "eager")
+    ours, _ = finetune_baseline.compute_loss(model, input_ids, finetune_baseline.shift_labels_of(labels), "eager")
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
 
 
@@ -316,3 +316,29 @@ def test_shared_code_is_identical():
     for name in ["git_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model"]:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(profile_baseline, name)), name
+
+
+@pytest.mark.parametrize("loss_impl", ["linear_ce", "ce", "eager"])
+def test_token_accuracy_is_the_argmax_hit_rate_of_the_counted_positions(loss_impl):
+    """The accuracy both scripts log: positions whose label is not -100 and whose largest logit is the label."""
+    model = tiny_model_with_random_norms(seed=4)
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 21), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :7] = -100
+    shift_labels = finetune_optimized.shift_labels_of(labels)
+    with torch.no_grad():
+        predicted = model(input_ids=input_ids).logits.argmax(dim=-1)
+    # A tiny random model rarely predicts its input: make some positions hits, so the fraction is not trivially 0.
+    hits = torch.rand(shift_labels.shape, generator=generator) < 0.5
+    shift_labels = torch.where(hits & (shift_labels != -100), predicted, shift_labels)
+    counted = shift_labels != -100
+    expected = ((predicted == shift_labels) & counted).sum().item() / counted.sum().item()
+    assert 0.2 < expected < 0.9
+
+    if loss_impl == "eager":
+        _, accuracy = finetune_baseline.compute_loss(model, input_ids, shift_labels, "eager")
+    else:
+        assert finetune_optimized.replace_rmsnorm(model, expected=5) == 5
+        _, accuracy = finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl)
+    assert accuracy.item() == pytest.approx(expected, abs=1e-6)

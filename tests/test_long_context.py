@@ -65,7 +65,7 @@ def rope_patch():
 def loss_and_grads(script, model, input_ids):
     loss_impl = "linear_ce" if script is finetune_optimized else "eager"
     model.zero_grad(set_to_none=True)
-    loss = script.compute_loss(model, input_ids, script.shift_labels_of(input_ids), loss_impl)
+    loss, _ = script.compute_loss(model, input_ids, script.shift_labels_of(input_ids), loss_impl)
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
