@@ -35,13 +35,16 @@ import finetune_baseline  # noqa: E402
 import profile_baseline  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+# The kernels run on the GPU when there is one (the CPU interpreter otherwise): in-process models and inputs go there.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 30
 
 
 def run_script(script, tmp_path, name, *flags):
     out = tmp_path / f"{name}.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, str(ROOT / script), "--model", "tiny", "--out", str(out), *flags]
+    # fp32 on every device: the parity rule below is an fp32 rule (on a GPU the scripts default to bf16)
+    cmd = [sys.executable, str(ROOT / script), "--model", "tiny", "--dtype", "fp32", "--out", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -104,7 +107,7 @@ def tiny_model_with_random_norms(seed):
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 param.uniform_(0.5, 1.5)
-    return model
+    return model.to(DEVICE)
 
 
 def loss_and_grads(loss_fn, model):
@@ -121,6 +124,7 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
     input_ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=generator)
     labels = input_ids.clone()
     labels[torch.rand(labels.shape, generator=generator) < 0.3] = -100  # masked prompt / padding tokens
+    input_ids, labels = input_ids.to(DEVICE), labels.to(DEVICE)
     labels[1, :] = -100  # a fully ignored sequence must not change the denominator
     ref_loss, ref_grads = loss_and_grads(lambda: model(input_ids=input_ids, labels=labels).loss, model)
 
@@ -142,7 +146,7 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
 
 def test_baseline_loss_matches_transformers_with_ignored_labels():
     model = tiny_model_with_random_norms(seed=3)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 9), device=DEVICE)
     labels = input_ids.clone()
     labels[0, :4] = -100
     ref = model(input_ids=input_ids, labels=labels).loss
@@ -323,14 +327,14 @@ def test_token_accuracy_is_the_argmax_hit_rate_of_the_counted_positions(loss_imp
     """The accuracy both scripts log: positions whose label is not -100 and whose largest logit is the label."""
     model = tiny_model_with_random_norms(seed=4)
     generator = torch.Generator().manual_seed(5)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 21), generator=generator)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 21), generator=generator).to(DEVICE)
     labels = input_ids.clone()
     labels[0, :7] = -100
     shift_labels = finetune_optimized.shift_labels_of(labels)
     with torch.no_grad():
         predicted = model(input_ids=input_ids).logits.argmax(dim=-1)
     # A tiny random model rarely predicts its input: make some positions hits, so the fraction is not trivially 0.
-    hits = torch.rand(shift_labels.shape, generator=generator) < 0.5
+    hits = (torch.rand(shift_labels.shape, generator=generator) < 0.5).to(DEVICE)
     shift_labels = torch.where(hits & (shift_labels != -100), predicted, shift_labels)
     counted = shift_labels != -100
     expected = ((predicted == shift_labels) & counted).sum().item() / counted.sum().item()

@@ -34,12 +34,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Full and selective checkpointing recompute the same ops in the same order: bit for bit on the CPU. On a GPU some
 # backward kernels (attention) may accumulate in a run-dependent order, so there the rule is fp32 rounding.
 EXACT = DEVICE == "cpu"
+# Counting attention kernels needs one that SDPA really calls: on a GPU fp32 attention with grouped KV heads is
+# composed of plain ops (no attention kernel to keep), so those tests use bf16 there, as real runs do.
+KERNEL_DTYPE, KERNEL_DTYPE_FLAG = (torch.bfloat16, "bf16") if DEVICE == "cuda" else (torch.float32, "fp32")
 
 
-def tiny_model(script, seed=0):
+def tiny_model(script, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    model = script.LlamaForCausalLM._from_config(script.tiny_llama_config(), dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    model = script.LlamaForCausalLM._from_config(script.tiny_llama_config(), dtype=dtype, attn_implementation="sdpa")
     with torch.no_grad():  # norm weights that are not all ones, so their gradients are exercised
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -116,7 +118,7 @@ def test_same_loss_and_gradients_as_a_plain_step(script_name, config, rope_patch
 
 @pytest.mark.parametrize("mode,expected_calls", [("full", 4), ("selective", 2)])
 def test_selective_checkpointing_does_not_recompute_attention(mode, expected_calls):
-    model = tiny_model(finetune_baseline)
+    model = tiny_model(finetune_baseline, dtype=KERNEL_DTYPE)
     finetune_baseline.enable_activation_checkpointing(model, mode, 0)
     input_ids = torch.randint(0, 1000, (1, 24)).to(DEVICE)
     with AttentionCalls() as calls:
@@ -174,7 +176,8 @@ def test_search_reports_the_failing_part_and_not_tried():
 
 def run(script, tmp_path, *flags):
     out = tmp_path / "out.json"
-    cmd = [sys.executable, str(ROOT / script), "--model", "tiny", "--dtype", "fp32", "--out", str(out), *flags]
+    cmd = [sys.executable, str(ROOT / script), "--model", "tiny", "--dtype", KERNEL_DTYPE_FLAG, "--out", str(out),
+           *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return proc, (json.loads(out.read_text()) if out.exists() else None)
@@ -187,7 +190,7 @@ def test_cli_long_sequence_flags(script, tmp_path):
                        "--optimizer", "adamw_fused")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert result["options"]["activation_checkpointing"] == "selective" and result["options"]["tiled_mlp"] == 8
-    assert result["offload"]["layers"] == 2 and result["offload"]["host_bytes"] == 2 * 24 * 64 * 4
+    assert result["offload"]["layers"] == 2 and result["offload"]["host_bytes"] == 2 * 24 * 64 * KERNEL_DTYPE.itemsize
     assert result["attention_kernels"] and not any("math" in k for k in result["attention_kernels"])
     assert result["allocator_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert "offload" in proc.stdout and "checkpointing selective" in proc.stdout
@@ -199,7 +202,7 @@ def test_cli_search_and_grad_accumulation(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     search = result["seq_len_search"]
     assert search["longest_trained"] == 32 and [r["status"] for r in search["results"]] == ["trained", "trained"]
-    assert search["results"][1]["host_gib"] == pytest.approx(32 * 64 * 4 / 2**30)
+    assert search["results"][1]["host_gib"] == pytest.approx(32 * 64 * KERNEL_DTYPE.itemsize / 2**30)
     proc, result = run("finetune_baseline.py", tmp_path, "--steps", "2", "--seq-len", "16", "--grad-accum-steps", "2",
                        "--activation-checkpointing", "full", "--measure-recompute")
     assert proc.returncode == 0, proc.stderr[-3000:]
