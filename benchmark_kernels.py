@@ -311,8 +311,11 @@ def torch_lowp_cross_entropy(logits, targets):
 
 
 def _loss_of(output):
-    """The loss tensor of a call that may return it with extras (ours: CrossEntropyOutput; Liger: a tuple)."""
-    return output if isinstance(output, torch.Tensor) else output[0]
+    """The loss tensor of a call that may return it with extras (ours and Liger: an output object with .loss, or a
+    tuple whose first entry is the loss)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return output.loss if hasattr(output, "loss") else output[0]
 
 
 def _ours_cross_entropy(**options):
