@@ -35,6 +35,7 @@ import math
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -605,9 +606,9 @@ class ActivationOffloader:
                   "layers": len(self.records)}
         if HAS_CUDA and len(self.records) > 1:
             torch.cuda.synchronize()
-            copy_ms = sorted(r["saved"].elapsed_time(r["copied"]) for r in self.records)
-            compute_ms = sorted(a["saved"].elapsed_time(b["saved"]) for a, b in zip(self.records, self.records[1:]))
-            result.update(copy_ms=copy_ms[len(copy_ms) // 2], layer_compute_ms=compute_ms[len(compute_ms) // 2])
+            result["copy_ms"] = statistics.median_high(r["saved"].elapsed_time(r["copied"]) for r in self.records)
+            result["layer_compute_ms"] = statistics.median_high(a["saved"].elapsed_time(b["saved"])
+                                                           for a, b in zip(self.records, self.records[1:]))
         return result
 
 
@@ -663,8 +664,9 @@ def enable_activation_checkpointing(model, mode, offload_layers, checkpoint_laye
                   if mode == "selective" else noop_context_fn)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                        "context_fn": context_fn})
-    for layer in model.model.layers[checkpoint_layers:] if checkpoint_layers is not None else []:
-        layer.gradient_checkpointing = False  # transformers' per-layer switch: this layer keeps its activations
+    if checkpoint_layers is not None:
+        for layer in model.model.layers[checkpoint_layers:]:
+            layer.gradient_checkpointing = False  # transformers' per-layer switch: this layer keeps its activations
     if not offload_layers:
         return None
     offloader = ActivationOffloader(model.config.hidden_size)
