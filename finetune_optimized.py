@@ -608,7 +608,7 @@ class ActivationOffloader:
             torch.cuda.synchronize()
             result["copy_ms"] = statistics.median_high(r["saved"].elapsed_time(r["copied"]) for r in self.records)
             result["layer_compute_ms"] = statistics.median_high(a["saved"].elapsed_time(b["saved"])
-                                                           for a, b in zip(self.records, self.records[1:]))
+                                                                for a, b in zip(self.records, self.records[1:]))
         return result
 
 
