@@ -165,14 +165,15 @@ def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SM
 @triton.jit
 def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
                       HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, columns=None, weight_ptr=None,
-                      softcap=None, HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
+                      softcap=None, HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False,
+                      FAST_TANH: tl.constexpr = False):
     """scale * (softmax(x) - eps / V) without the one-hot term (added once per row by the caller). softmax(x) =
     2^((x - row_max) * log2(e) - log2(sum)): a subtraction, one fused multiply-add and one exp2. With a positive scale
     the caller folds log2(scale) into the offset too (scale * 2^y = 2^(y + log2(scale))); else it is a multiply.
     Extras: class weights make the smoothing term of column j smoothing_term * w_j; a softcap caps x first and
     multiplies the result by the cap's slope (the chain rule)."""
     if HAS_SOFTCAP:
-        x = _softcap(x, softcap, FAST_EXP2)
+        x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
     grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
     if not POSITIVE_SCALE:
         grad = grad * scale
@@ -218,6 +219,7 @@ def _cross_entropy_kernel(
     CHUNKS_PER_STEP: tl.constexpr,  # 1 or 2 chunks loaded per loop step, i.e. in flight per thread (see the launcher)
     HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,  # the extras' switches
     TRACK_ARGMAX: tl.constexpr,  # the argmax per row (predicted tokens and token accuracy)
+    FAST_TANH: tl.constexpr,  # the softcap with the one-instruction tanh (16-bit logits on the GPU, see _softcap)
 ):
     # A chunk of BLOCK_V columns is handled as a [BLOCK_V // LANE_WIDTH, LANE_WIDTH] tile: row r of the tile holds
     # columns r*LANE_WIDTH .. r*LANE_WIDTH + LANE_WIDTH - 1 of the chunk. Each tile row is one "lane" with its own
@@ -261,14 +263,14 @@ def _cross_entropy_kernel(
             # ---- pass 1: online softmax statistics ----
             row_max, row_sum, sum_x_tile, x_partial, argmax_start = _row_statistics(
                 logits_row, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V, LANE_WIDTH, HAS_SMOOTHING,
-                FAST_EXP2, CHUNKS_PER_STEP, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, TRACK_ARGMAX)
+                FAST_EXP2, CHUNKS_PER_STEP, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH, TRACK_ARGMAX)
             # ---- the loss ----
             lse = row_max + tl.log(row_sum)
             logit_target = x_target
             weight_target = 1.0
             weight_total = 1.0
             if HAS_SOFTCAP:  # extra: the loss sees the capped logit
-                logit_target = _softcap(x_target, softcap, FAST_EXP2)
+                logit_target = _softcap(x_target, softcap, FAST_EXP2, FAST_TANH)
             if HAS_WEIGHT:  # extra: the target's class weight, and the sum of all weights (stored at index V)
                 weight_target = tl.load(weight_ptr + target, mask=target_ok, other=0.0)
                 weight_total = tl.load(weight_ptr + V)
@@ -278,10 +280,12 @@ def _cross_entropy_kernel(
             if HAS_Z_LOSS:  # extra: the z-loss, kept apart from the loss (a mean divides them differently)
                 tl.store(z_losses_ptr + row, lse_square_scale * lse * lse)
             if TRACK_ARGMAX:
-                # Extra: the LANE_WIDTH logits that hold the argmax (see _argmax_start), read before pass 2 can
-                # overwrite them in place; the barrier puts every thread's read before any thread's store.
-                argmax_columns = argmax_start + tl.arange(0, LANE_WIDTH)
-                x_argmax = tl.load(logits_row + argmax_columns, mask=argmax_columns < V, other=float("-inf"))
+                # Extra: the lane that holds the argmax (see _argmax_start), read now, before pass 2 can overwrite it
+                # in place, and used at the end of the row, so that the read's latency hides behind pass 2. Triton
+                # chooses which thread holds which lane, so a barrier puts every thread's read before any store.
+                argmax_columns = (argmax_start // BLOCK_V) * BLOCK_V + chunk_offsets
+                x_argmax = tl.load(logits_row + argmax_columns, mask=_in_lane(argmax_columns, argmax_start, V,
+                                                                                LANE_WIDTH), other=float("-inf"))
                 if COMPUTE_GRAD:
                     tl.debug_barrier()
             # ---- pass 2: the gradient ----
@@ -293,10 +297,10 @@ def _cross_entropy_kernel(
                 _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, row_max, row_sum, scale,
                               label_smoothing, V, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V,
                               HAS_SMOOTHING, POSITIVE_SCALE, FAST_EXP2, CHUNKS_PER_STEP, softmax_scale, target_scale,
-                              weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP)
+                              weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH)
             if TRACK_ARGMAX:
-                tl.store(predicted_ptr + row, _argmax_in_lane(x_argmax.to(tl.float32), argmax_columns, V, softcap,
-                                                              HAS_SOFTCAP, FAST_EXP2))
+                _store_argmax(x_argmax.to(tl.float32), argmax_columns, argmax_start, predicted_ptr + row, V, softcap,
+                              HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
 
 
 @triton.jit
@@ -310,7 +314,8 @@ def _row_start(base_ptr, row, rows_per_batch, stride_b, stride_t):
 def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V: tl.constexpr,
                     LANE_WIDTH: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr,
                     CHUNKS_PER_STEP: tl.constexpr, weight_ptr=None, softcap=None, HAS_WEIGHT: tl.constexpr = False,
-                    HAS_SOFTCAP: tl.constexpr = False, TRACK_ARGMAX: tl.constexpr = False):
+                    HAS_SOFTCAP: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
+                    TRACK_ARGMAX: tl.constexpr = False):
     """Pass 1 over one row: the online softmax, one running max and sum per lane, merged at the end.
     Returns (row_max, row_sum, sum_x_tile, x_partial, argmax_start); sum_x_tile holds sum(x) per element (label
     smoothing only), x_partial the row's last, partial chunk, which pass 2 reuses from registers (before the softcap:
@@ -328,7 +333,7 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
         # evict_last: keep the row in L2 for pass 2.
         x = tl.load(logits_row + i * BLOCK_V + chunk_offsets, eviction_policy="evict_last").to(tl.float32)
         if HAS_SOFTCAP:
-            x = _softcap(x, softcap, FAST_EXP2)
+            x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
         if TRACK_ARGMAX:
             lane_chunk = _lane_argmax_update(x, i, lane_max, lane_chunk, IN_ORDER=True)
         lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
@@ -342,7 +347,8 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
                         eviction_policy="evict_last").to(tl.float32)
     x = x_partial
     if HAS_SOFTCAP:
-        x = tl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2), float("-inf"))  # the cap of -inf is finite
+        # masked columns stay -inf: the cap of -inf is finite
+        x = tl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
     if TRACK_ARGMAX:
         lane_chunk = _lane_argmax_update(x, n_full, lane_max, lane_chunk, IN_ORDER=True)
     lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
@@ -364,7 +370,8 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
                   label_smoothing, V, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V: tl.constexpr,
                   HAS_SMOOTHING: tl.constexpr, POSITIVE_SCALE: tl.constexpr, FAST_EXP2: tl.constexpr,
                   CHUNKS_PER_STEP: tl.constexpr, softmax_scale, target_scale, weight_ptr=None, softcap=None,
-                  HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
+                  HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False,
+                  FAST_TANH: tl.constexpr = False):
     """Pass 2 over one row: dx_j = scale * (softmax_j - eps / V) written chunk by chunk, the target's entry last.
     softmax_scale and target_scale are `scale` but for the extras (see _gradient_scales)."""
     exponent_offset = tl.log2(row_sum)
@@ -373,7 +380,8 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
     exponent_offset = tl.where(target_ok, exponent_offset, float("nan"))  # bad target: NaN gradient
     smoothing_term = scale * (label_smoothing / V)
     grad = _softmax_gradient(x_partial, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
-                             HAS_SMOOTHING, FAST_EXP2, partial_offsets, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP)
+                             HAS_SMOOTHING, FAST_EXP2, partial_offsets, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP,
+                             FAST_TANH)
     # evict_first on the loads: this is the last use of the logits; on the stores: this kernel never reads the
     # gradient back. Both leave L2 to the rows that pass 2 has still to re-read.
     tl.store(grad_row + partial_offsets, _round_to(grad, grad_row.dtype.element_ty), mask=partial_mask,
@@ -388,11 +396,12 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
         if CHUNKS_PER_STEP == 2:
             x_b = tl.load(logits_row + offsets_a - BLOCK_V, eviction_policy="evict_first").to(tl.float32)
         grad_a = _softmax_gradient(x_a, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
-                                   HAS_SMOOTHING, FAST_EXP2, offsets_a, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP)
+                                   HAS_SMOOTHING, FAST_EXP2, offsets_a, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP,
+                                   FAST_TANH)
         if CHUNKS_PER_STEP == 2:
             grad_b = _softmax_gradient(x_b, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
                                        HAS_SMOOTHING, FAST_EXP2, offsets_a - BLOCK_V, weight_ptr, softcap, HAS_WEIGHT,
-                                       HAS_SOFTCAP)
+                                       HAS_SOFTCAP, FAST_TANH)
         tl.store(grad_row + offsets_a, _round_to(grad_a, grad_row.dtype.element_ty), eviction_policy="evict_first")
         if CHUNKS_PER_STEP == 2:
             tl.store(grad_row + offsets_a - BLOCK_V, _round_to(grad_b, grad_row.dtype.element_ty),
@@ -402,7 +411,7 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
             x = tl.load(logits_row + chunk_offsets, eviction_policy="evict_first").to(tl.float32)
             grad = _softmax_gradient(x, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
                                      HAS_SMOOTHING, FAST_EXP2, chunk_offsets, weight_ptr, softcap, HAS_WEIGHT,
-                                     HAS_SOFTCAP)
+                                     HAS_SOFTCAP, FAST_TANH)
             tl.store(grad_row + chunk_offsets, _round_to(grad, grad_row.dtype.element_ty),
                      eviction_policy="evict_first")
     # The one-hot term, -scale * (1 - eps) at the target only: one store instead of a comparison on every value. The
@@ -410,10 +419,10 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
     tl.debug_barrier()
     target_softmax_term = _softmax_gradient(x_target, row_max, exponent_offset, softmax_scale, smoothing_term,
                                             POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, target, weight_ptr, softcap,
-                                            HAS_WEIGHT, HAS_SOFTCAP)
+                                            HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH)
     one_hot = target_scale * (1.0 - label_smoothing)
     if HAS_SOFTCAP:  # extra: the chain rule applies to the one-hot term too
-        one_hot = one_hot * _softcap_slope(_softcap(x_target, softcap, FAST_EXP2), softcap)
+        one_hot = one_hot * _softcap_slope(_softcap(x_target, softcap, FAST_EXP2, FAST_TANH), softcap)
     target_grad = target_softmax_term - one_hot
     tl.store(grad_row + target, _round_to(target_grad, grad_row.dtype.element_ty), mask=target_ok)
 
@@ -425,10 +434,15 @@ _NO_CHUNK = tl.constexpr(2**31 - 1)  # a lane's chunk before any, in Part 2: lar
 
 
 @triton.jit
-def _softcap(x, softcap, FAST_EXP2: tl.constexpr):
-    """softcap * tanh(x / softcap), written softcap - 2 * softcap / (exp(2x / softcap) + 1): one exp2 and one
-    reciprocal, accurate to about 1e-7 * softcap (the one-instruction tanh.approx.f32 is good to only 2^-11). -inf
-    gives -softcap, +inf softcap."""
+def _softcap(x, softcap, FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
+    """softcap * tanh(x / softcap). FAST_TANH (16-bit logits on the GPU): one tanh.approx.f32 instruction, relative
+    error about 2^-11, below the logits' own rounding (2^-9 for bf16). Otherwise softcap - 2 * softcap / (exp(2x /
+    softcap) + 1): one exp2 and one reciprocal, accurate to about 1e-7 * softcap. The multi-function unit that runs
+    tanh, exp2 and reciprocal does 16 per cycle per multiprocessor, an eighth of the FMA rate: with tanh and exp2 in
+    each pass the softcap is bound by it, not by memory (see results/NOTES.md). -inf gives -softcap."""
+    if FAST_TANH:
+        return softcap * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * (1.0 / softcap)],
+                                                   dtype=tl.float32, is_pure=True, pack=1)
     y = x * (2.0 * LOG2E / softcap)
     if INTERPRETER:
         y = tl.minimum(y, 126.0)  # numpy warns when exp2 overflows to inf (on the GPU: inf, then softcap, silently)
@@ -487,11 +501,24 @@ def _argmax_start(lane_max, lane_chunk, row_max, lane_index, past_end, BLOCK_V: 
 
 
 @triton.jit
-def _argmax_in_lane(x, columns, V, softcap, HAS_SOFTCAP: tl.constexpr, FAST_EXP2: tl.constexpr):
-    """The first of `columns` (from _argmax_start; x their logits, -inf from V on) where x is largest."""
-    if HAS_SOFTCAP:
-        x = tl.where(columns < V, _softcap(x, softcap, FAST_EXP2), float("-inf"))
-    return tl.min(tl.where(x == tl.max(x, axis=0), columns, V), axis=0)
+def _in_lane(columns, lane_start, V, LANE_WIDTH: tl.constexpr):
+    """Which of `columns` belong to the lane that starts at column lane_start (and exist: < V)."""
+    return (columns >= lane_start) & (columns < lane_start + LANE_WIDTH) & (columns < V)
+
+
+@triton.jit
+def _store_argmax(x, columns, argmax_start, predicted_row_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
+                  FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
+    """Store the row's argmax: x is a chunk's tile holding only the argmax lane's logits (-inf elsewhere), columns
+    their column indices. The lane's first largest column is found inside the thread that holds the lane (a lane
+    never spans threads) and stored by that thread alone: no shuffle, no barrier. A row without a maximal lane (NaN
+    logits) stores a column >= V."""
+    if HAS_SOFTCAP:  # the argmax of the capped logits: capping can tie values that differ
+        x = tl.where(columns < V, _softcap(x, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
+    lane_top = tl.max(x, axis=1)
+    first = tl.min(tl.where(x == lane_top[:, None], columns, V), axis=1)
+    lane_start = tl.min(columns, axis=1)
+    tl.store(predicted_row_ptr + lane_start * 0, first, mask=lane_start == argmax_start)
 
 
 @triton.jit
@@ -529,8 +556,6 @@ _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resid
 _SMEM_MIN_ROWS_PER_SM = 8
 # Part 2's Gluon kernel is written and verified against Triton 3.6 (Gluon's names change between releases).
 _GLUON_VERIFIED = triton.__version__.startswith("3.6.")
-# Whether launches with extras may take Part 2's kernel as well; False sends them all to the row kernel.
-_SMEM_SUPPORTS_EXTRAS = True
 
 
 def _launch_shape(V, itemsize, on_gpu, block_v=None):
@@ -562,24 +587,23 @@ def _smem_kernel_allowed(properties):
 
 
 def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties, kernel=None, block_v=None,
-                    n_streamed=None, n_ring=None, extras=False):
+                    n_streamed=None, n_ring=None, softcap=False):
     """The launcher's choice: None for the row kernel, or the shared-memory kernel's plan (see _smem_plan). That
     kernel takes 16-bit logits with a gradient to write, on a GPU where it is allowed, with at least
     _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned (cp.async copies 16 bytes per thread),
-    and extras only while _SMEM_SUPPORTS_EXTRAS. kernel="rows" / "smem" force one (tests); forcing "smem" where it
-    cannot run raises ValueError."""
+    and no softcap: the softcap's tanh per logit and pass needs more warps in flight than that kernel's one program
+    per multiprocessor has, and the row kernel is faster with it (measured on an H200, see results/NOTES.md).
+    kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises ValueError."""
     if kernel not in (None, "rows", "smem"):
         raise ValueError(f"cross_entropy_forward: kernel must be None, 'rows' or 'smem', got {kernel!r}")
     plan = None
-    extras_ok = _SMEM_SUPPORTS_EXTRAS or not extras
-    if kernel != "rows" and compute_grad and rows_aligned and extras_ok and _smem_kernel_allowed(properties):
+    if kernel != "rows" and compute_grad and rows_aligned and _smem_kernel_allowed(properties):
         enough_rows = properties is None or n_rows >= _SMEM_MIN_ROWS_PER_SM * properties.multi_processor_count
-        if kernel == "smem" or enough_rows:
+        if kernel == "smem" or (enough_rows and not softcap):
             plan = _smem_plan(V, itemsize, properties, block_v, n_streamed, n_ring)
     if kernel == "smem" and plan is None:
         raise ValueError(f"cross_entropy_forward: the shared-memory kernel does not apply here (V={V}, "
                          f"{itemsize}-byte logits, gradient: {compute_grad}, rows 16-byte aligned: {rows_aligned}, "
-                         f"extras: {extras} (allowed: {_SMEM_SUPPORTS_EXTRAS}), "
                          f"GPU: {'none' if properties is None else f'compute capability {properties.major}.x'})")
     return plan
 
@@ -686,9 +710,6 @@ class _Extras(NamedTuple):
     softcap: Optional[float] = None
     predicted: Optional[torch.Tensor] = None  # [rows] int64, written: argmax per row, -1 on ignored rows
 
-    def on(self):
-        return any(value is not None for value in (self.weight, self.z_losses, self.softcap, self.predicted))
-
     def rows(self, start, end, per_row_scale):
         """The extras of rows start..end-1 (a linear cross-entropy chunk); per_row_scale: z_scale has one per row."""
         def cut(x):
@@ -726,9 +747,10 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     positive_scale = positive_scale and extras.weight is None and extras.z_losses is None
     extra_args = (extras.weight, extras.z_losses, extras.z_scale, extras.predicted, extras.lse_square_scale,
                   extras.softcap)
-    extra_switches = dict(HAS_WEIGHT=extras.weight is not None, HAS_Z_LOSS=extras.z_losses is not None,
-                          HAS_SOFTCAP=extras.softcap is not None, TRACK_ARGMAX=extras.predicted is not None)
     on_gpu = not INTERPRETER
+    extra_switches = dict(HAS_WEIGHT=extras.weight is not None, HAS_Z_LOSS=extras.z_losses is not None,
+                          HAS_SOFTCAP=extras.softcap is not None, TRACK_ARGMAX=extras.predicted is not None,
+                          FAST_TANH=on_gpu and logits.element_size() == 2)
     properties = torch.cuda.get_device_properties(logits.device) if on_gpu else None
     rows_per_batch, stride_b, stride_t = _row_layout(logits)
     grad_rows_per_batch, grad_stride_b, grad_stride_t = _row_layout(grad) if compute_grad else (rows_per_batch, 0, 0)
@@ -737,7 +759,7 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     # (e.g. V = 50257 does not qualify); the interpreter has no such constraint.
     rows_aligned = not on_gpu or (logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
     smem_plan = _pick_smem_plan(V, logits.element_size(), n_rows, compute_grad, rows_aligned, properties, kernel,
-                                block_v, n_streamed, n_ring, extras.on())
+                                block_v, n_streamed, n_ring, extras.softcap is not None)
     if smem_plan is not None:
         block_v, num_warps, n_chunks, n_streamed, n_ring = smem_plan
         assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
@@ -1397,7 +1419,7 @@ def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_valid,
 def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum,
                      sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
                      BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, lane_chunk,
-                     weight_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     weight_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                      TRACK_ARGMAX: tl.constexpr):
     if valid:  # an ignored row's slots were never filled: nothing to wait for or read, only the group to commit
         if _is_streamed(U, N, K):
@@ -1407,7 +1429,7 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
             async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
             x = slot.load(tile).to(tl.float32)
             if HAS_SOFTCAP:  # extras as in _row_statistics
-                x = _softcap(x, softcap, FAST_EXP2)
+                x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
             if TRACK_ARGMAX:
                 lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=False)
             lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
@@ -1424,7 +1446,7 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
             async_copy.wait_group(N - 1)
             x = kept.index(CHUNK - K).load(tile).to(tl.float32)
             if HAS_SOFTCAP:
-                x = _softcap(x, softcap, FAST_EXP2)
+                x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
             if TRACK_ARGMAX:
                 lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=False)
             lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
@@ -1441,11 +1463,11 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
 def _smem_store_gradient(x, valid, grad_row, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, chunk_offsets, row_max,
                          exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
                          HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, weight_ptr, softcap,
-                         HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                         HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     if valid:
         grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
                                  FAST_EXP2, CHUNK * BLOCK_V + chunk_offsets, weight_ptr, softcap, HAS_WEIGHT,
-                                 HAS_SOFTCAP)
+                                 HAS_SOFTCAP, FAST_TANH)
     else:  # an ignored row: its slots were never filled (they hold an older row), the gradient is exactly 0
         grad = gl.zeros_like(x)
     tl.store(grad_row + CHUNK * BLOCK_V + chunk_offsets, _round_to(grad, grad_row.dtype.element_ty),
@@ -1457,7 +1479,7 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
                      chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile: tl.constexpr,
                      N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr,
                      POSITIVE_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, weight_ptr,
-                     softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                     softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     if _is_streamed(U, N, K):
         ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)  # pass-2 item ITEM re-loads chunk ITEM - K
         CHUNK: tl.constexpr = ITEM - K
@@ -1466,7 +1488,7 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
         x = slot.load(tile).to(tl.float32)
         _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
                              smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
-                             HAS_SOFTCAP)
+                             HAS_SOFTCAP, FAST_TANH)
         if ITEM + Q < 2 * K:  # a later re-load of this row
             if valid:
                 async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
@@ -1481,7 +1503,7 @@ def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
         x = kept.index(CHUNK - K).load(tile).to(tl.float32)
         _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
                              smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
-                             HAS_SOFTCAP)
+                             HAS_SOFTCAP, FAST_TANH)
         # The slot's last use in this row: load the next row's chunk into it.
         if next_valid:
             async_copy.async_copy_global_to_shared(kept.index(CHUNK - K),
@@ -1504,6 +1526,7 @@ def _cross_entropy_smem_kernel(
     HAS_SMOOTHING: tl.constexpr, POSITIVE_SCALE: tl.constexpr, FAST_EXP2: tl.constexpr,
     NUM_WARPS: tl.constexpr,  # = num_warps: Gluon layouts name the warps explicitly
     HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
+    FAST_TANH: tl.constexpr,
 ):
     N: tl.constexpr = N_CHUNKS
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
@@ -1559,10 +1582,10 @@ def _cross_entropy_smem_kernel(
             lane_max, lane_sum, sum_x_tile, lane_chunk = _smem_pass1_step(
                 u, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
                 N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2, lane_chunk, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP,
-                TRACK_ARGMAX)
+                FAST_TANH, TRACK_ARGMAX)
         x = x_partial
         if HAS_SOFTCAP:  # extras as in _row_statistics
-            x = gl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2), float("-inf"))
+            x = gl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
         if TRACK_ARGMAX:
             lane_chunk = _lane_argmax_update(x, N, lane_max, lane_chunk, IN_ORDER=False)
         lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
@@ -1583,7 +1606,7 @@ def _cross_entropy_smem_kernel(
         weight_target = 1.0
         weight_total = 1.0
         if HAS_SOFTCAP:  # extras as in the row kernel
-            logit_target = _softcap(x_target, softcap, FAST_EXP2)
+            logit_target = _softcap(x_target, softcap, FAST_EXP2, FAST_TANH)
         if HAS_WEIGHT:
             weight_target = gl.load(weight_ptr + target, mask=target_ok & valid, other=0.0)
             weight_total = gl.load(weight_ptr + V)
@@ -1592,12 +1615,15 @@ def _cross_entropy_smem_kernel(
         gl.store(losses_ptr + row, gl.where(valid, gl.where(target_ok, loss, float("nan")), 0.0))
         if HAS_Z_LOSS:
             gl.store(z_losses_ptr + row, gl.where(valid, lse_square_scale * lse * lse, 0.0))
-        if TRACK_ARGMAX:  # read before pass 2 overwrites it in place (see the row kernel)
+        if TRACK_ARGMAX:
+            # Read before pass 2 overwrites it in place, used at the end of the row (see the row kernel). Here the
+            # layout is explicit: the thread that reads a lane is the one that overwrites it in pass 2, so program
+            # order alone keeps the read first, with no barrier.
             argmax_start = _argmax_start(lane_max, lane_chunk, row_max, gl.arange(0, N_LANES, layout=lanes), V,
                                          BLOCK_V, LANE_WIDTH)
-            argmax_columns = argmax_start + gl.arange(0, LANE_WIDTH, layout=columns)
-            x_argmax = gl.load(logits_row + argmax_columns, mask=(argmax_columns < V) & valid, other=float("-inf"))
-            gl.thread_barrier()
+            argmax_columns = (argmax_start // BLOCK_V) * BLOCK_V + chunk_offsets
+            x_argmax = gl.load(logits_row + argmax_columns,
+                               mask=_in_lane(argmax_columns, argmax_start, V, LANE_WIDTH) & valid, other=float("-inf"))
 
         # ---- pass 2: gradient (zeros for an ignored row) ----
         row_scale = gl.load(scale_ptr + row * scale_stride).to(tl.float32)
@@ -1615,14 +1641,14 @@ def _cross_entropy_smem_kernel(
         smoothing_term = scale * (label_smoothing / V)
         grad = _softmax_gradient(x_partial, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
                                  HAS_SMOOTHING, FAST_EXP2, partial_offsets, weight_ptr, softcap, HAS_WEIGHT,
-                                 HAS_SOFTCAP)
+                                 HAS_SOFTCAP, FAST_TANH)
         gl.store(grad_row + partial_offsets, _round_to(gl.where(valid, grad, 0.0), grad_ptr.dtype.element_ty),
                  mask=partial_mask, eviction_policy="evict_first")
         for u in gl.static_range(N):
             _smem_pass2_step(u, ring, ring_base, kept, logits_row, valid, next_row_ptr, next_valid, grad_row,
                              chunk_offsets, row_max, exponent_offset, softmax_scale, smoothing_term, tile, N, K, Q,
                              BLOCK_V, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
-                             HAS_SOFTCAP)
+                             HAS_SOFTCAP, FAST_TANH)
         # The one-hot term, after every thread's stores of this row (as in the row kernel).
         gl.thread_barrier()
         one_hot = target_scale * (1.0 - label_smoothing)
@@ -1630,11 +1656,14 @@ def _cross_entropy_smem_kernel(
             one_hot = one_hot * _softcap_slope(logit_target, softcap)
         target_grad = _softmax_gradient(x_target, row_max, exponent_offset, softmax_scale, smoothing_term,
                                         POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, target, weight_ptr, softcap,
-                                        HAS_WEIGHT, HAS_SOFTCAP) - one_hot
+                                        HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH) - one_hot
         gl.store(grad_row + target, _round_to(target_grad, grad_ptr.dtype.element_ty), mask=target_ok & valid)
         if TRACK_ARGMAX:
-            predicted = _argmax_in_lane(x_argmax.to(tl.float32), argmax_columns, V, softcap, HAS_SOFTCAP, FAST_EXP2)
-            gl.store(predicted_ptr + row, gl.where(valid, predicted, -1))
+            if valid:
+                _store_argmax(x_argmax.to(tl.float32), argmax_columns, argmax_start, predicted_ptr + row, V, softcap,
+                              HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
+            else:
+                gl.store(predicted_ptr + row, -1)
         ring_base = (ring_base + 2 * K) % Q
         target = next_target
     async_copy.wait_group(0)  # no copy may still be writing shared memory when the program exits

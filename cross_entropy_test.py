@@ -528,16 +528,13 @@ def test_dispatch_rule(gpu):
     assert ck._pick_smem_plan(128256, 2, 16384, True, True, properties, kernel="rows") is None
 
 
-def test_dispatch_extras(monkeypatch):
-    """Launches with extras take the shared-memory kernel while _SMEM_SUPPORTS_EXTRAS; set to False, the row kernel
-    (and forcing the shared-memory kernel raises). Checked on the plan, and end to end on this machine's kernels."""
+def test_dispatch_extras():
+    """Launches with extras take the shared-memory kernel, except with a softcap: the row kernel then (forcing the
+    shared-memory kernel still works). Checked on the plan, and end to end on this machine's kernels."""
     h200 = GPUS["H200"]
-    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, extras=True) == (8192, 32, 15, 4, 2)
-    monkeypatch.setattr(ck, "_SMEM_SUPPORTS_EXTRAS", False)
-    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, extras=True) is None
-    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, extras=False) is not None
-    with pytest.raises(ValueError, match="does not apply"):
-        ck._pick_smem_plan(128256, 2, 16384, True, True, h200, kernel="smem", extras=True)
+    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200) == (8192, 32, 15, 4, 2)
+    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, softcap=True) is None
+    assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200, kernel="smem", softcap=True) is not None
     check_extras("bf16", (9, 1520), "mean", 0.2, weight=True, lse_square_scale=1e-2, softcap=4.0,
                  returns=("z", "acc", "pred"), block_v=256)
 

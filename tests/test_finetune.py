@@ -264,8 +264,8 @@ def test_local_model_loads_real_weights_with_device_map(saved_model, module, mon
 
     monkeypatch.setattr(module.AutoModelForCausalLM, "from_pretrained", spy)
     args = module.parse_args(["--model", str(folder)])
-    model, weights = module.load_model(args, "cpu", torch.float32)
-    assert weights == "real" and calls[0]["device_map"] == "cpu"
+    model, weights = module.load_model(args, DEVICE, torch.float32)
+    assert weights == "real" and calls[0]["device_map"] == DEVICE
     loaded = model.state_dict()
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[name], state[name]) for name in state)
 
