@@ -926,6 +926,7 @@ def test_argmax_ties(kernel, softcap):
             [7 * block + 100, 7 * block + 101],  # in the partial chunk only
             [7 * block + 3, 2 * block + 3 + 8],  # partial chunk and a neighbouring lane of chunk 2
             [17, 4 * block + 17, 6 * block + 17, 7 * block + 17],
+            [4 * block + 30, 6 * block + 30, 7 * block + 30],  # kept chunks only (the shared-memory kernel's slots)
             [V - 1]]
     values = (torch.randn(len(ties), V, device=DEVICE) * 3).to(torch.bfloat16)
     for row, columns in enumerate(ties):
