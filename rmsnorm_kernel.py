@@ -529,7 +529,7 @@ def fuse_residual_rmsnorm(model, expected=None):
 
     The add at the end of each layer (residual + MLP output) stays unfused: its norm is the NEXT layer's
     input_layernorm (model.norm after the last layer), so fusing it would make each layer hand two tensors to the
-    next instead of one, doubling what gradient checkpointing keeps (and activation offload copies) per layer."""
+    next instead of one, doubling the layer input that gradient checkpointing keeps (and activation offload copies)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     targets = [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)
                and not isinstance(module.post_attention_layernorm, TritonAddRMSNorm)]
