@@ -468,29 +468,32 @@ def test_add_empty_input():
 
 
 BAD_ADD_INPUTS = {
-    "residual_shape": (lambda: (_x(4, 8), _x(4, 9), _x(8)), ValueError, r"residual of shape \(4, 9\) does not match x"),
-    "residual_broadcast": (lambda: (_x(4, 8), _x(1, 8), _x(8)), ValueError, "residual of shape .* does not match x"),
-    "residual_dtype": (lambda: (_x(4, 8), _x(4, 8, dtype=torch.bfloat16), _x(8)), TypeError,
+    "residual_shape": (lambda: (_x(4, 8), _x(4, 9), _x(8), 1e-5), ValueError,
+                       r"residual of shape \(4, 9\) does not match x"),
+    "residual_broadcast": (lambda: (_x(4, 8), _x(1, 8), _x(8), 1e-5), ValueError,
+                           "residual of shape .* does not match x"),
+    "residual_dtype": (lambda: (_x(4, 8), _x(4, 8, dtype=torch.bfloat16), _x(8), 1e-5), TypeError,
                        "residual is torch.bfloat16 but x is torch.float32"),
-    "residual_elsewhere": (lambda: (_x(4, 8), _x(4, 8, device="meta"), _x(8)), ValueError, "residual is on meta"),
-    "residual_not_tensor": (lambda: (_x(4, 8), [[0.0] * 8] * 4, _x(8)), TypeError, "residual must be a torch.Tensor"),
+    "residual_elsewhere": (lambda: (_x(4, 8), _x(4, 8, device="meta"), _x(8), 1e-5), ValueError,
+                           "residual is on meta"),
+    "residual_not_tensor": (lambda: (_x(4, 8), [[0.0] * 8] * 4, _x(8), 1e-5), TypeError,
+                            "residual must be a torch.Tensor"),
     # x, weight and eps get rms_norm's checks, named after add_rms_norm
-    "weight_too_short": (lambda: (_x(4, 8), _x(4, 8), _x(7)), ValueError, "weight of shape .* does not match"),
-    "x_elsewhere": (lambda: (_x(4, 8, device="meta"), _x(4, 8, device="meta"), _x(8, device="meta")), ValueError,
-                    f"x is on meta, but the Triton kernels run on {KERNEL_DEVICE}"),
-    "x_fp64": (lambda: (_x(4, 8, dtype=torch.float64), _x(4, 8, dtype=torch.float64), _x(8)), TypeError,
+    "weight_too_short": (lambda: (_x(4, 8), _x(4, 8), _x(7), 1e-5), ValueError, "weight of shape .* does not match"),
+    "x_elsewhere": (lambda: (_x(4, 8, device="meta"), _x(4, 8, device="meta"), _x(8, device="meta"), 1e-5),
+                    ValueError, f"x is on meta, but the Triton kernels run on {KERNEL_DEVICE}"),
+    "x_fp64": (lambda: (_x(4, 8, dtype=torch.float64), _x(4, 8, dtype=torch.float64), _x(8), 1e-5), TypeError,
                "float32, bfloat16 or float16"),
+    "eps_negative": (lambda: (_x(4, 8), _x(4, 8), _x(8), -1e-5), ValueError, "eps must be a finite number >= 0"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_ADD_INPUTS))
 def test_add_bad_inputs_raise_clear_errors(case):
     make_bad, error, message = BAD_ADD_INPUTS[case]
-    x, residual, weight = make_bad()
+    x, residual, weight, eps = make_bad()
     with pytest.raises(error, match=f"^add_rms_norm: .*{message}"):
-        add_rms_norm(x, residual, weight, 1e-5)
-    with pytest.raises(ValueError, match="^add_rms_norm: eps must be a finite number >= 0"):
-        add_rms_norm(_x(4, 8), _x(4, 8), _x(8), -1.0)
+        add_rms_norm(x, residual, weight, eps)
 
 
 def test_add_backward_with_gradients_of_another_shape_raises():
