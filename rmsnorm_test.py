@@ -13,7 +13,10 @@ Covered: odd hidden sizes, 3-D inputs, rows with gaps and transposed (non-contig
 fp32 / bf16 / fp16 and an fp32 weight with a bf16 input, eps = 0, empty inputs, a deterministic weight gradient, bf16
 outputs equal to LlamaRMSNorm's bit for bit, the kernels' rounding, a clear error for every bad input,
 TritonRMSNorm.from_llama_rmsnorm and replace_rmsnorm on a tiny LLaMA, the kernel file's script mode; on a GPU also
-LLaMA shapes and int64 offsets past 2**31.
+LLaMA shapes and int64 offsets past 2**31. The residual add + RMSNorm (add_rms_norm) is checked the same way, with the
+sum s and the gradients of x, residual and weight, x and residual in different layouts, and s equal to PyTorch's
+bit for bit; fuse_residual_rmsnorm must give a tiny LLaMA the same loss and gradients, also under gradient
+checkpointing and whichever of it and replace_rmsnorm runs first.
 """
 import argparse
 import os
@@ -26,6 +29,7 @@ import torch
 # happen before Triton decorates anything.
 import rmsnorm_kernel
 from rmsnorm_kernel import KERNEL_DEVICE, MAX_HIDDEN_SIZE, TritonRMSNorm, replace_rmsnorm, rms_norm, rmsnorm_backward
+from rmsnorm_kernel import TritonAddRMSNorm, add_rms_norm, add_rmsnorm_backward, fuse_residual_rmsnorm
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -371,6 +375,206 @@ def test_kernel_script_prints_one_line_and_help(capsys):
         rmsnorm_kernel.main(["--eps", "-1"])
     assert exit_info.value.code == 2
     assert "finite --eps >= 0" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Residual add + RMSNorm (add_rms_norm) and its patch into the LLaMA decoder layers
+# ----------------------------------------------------------------------------------------------------------------------
+def check_add_against_reference(lead, hidden, dtype, layout, eps=1e-5, weight_dtype=None, same_tensor=False):
+    """add_rms_norm and PyTorch's `residual + x` then LlamaRMSNorm math on the same inputs, both against float64; the
+    same rule as check_against_reference for y, s and the gradients of x, residual and weight. residual is laid out
+    differently from x (the next layout in LAYOUTS), so each is read through its own strides; same_tensor passes x as
+    its own residual (autograd then adds the two gradients)."""
+    seed = fresh_seed()
+    weight_dtype = weight_dtype or dtype
+    x = make_tensor(lead, hidden, dtype, layout)
+    residual = x if same_tensor else make_tensor(lead, hidden, dtype, LAYOUTS[(LAYOUTS.index(layout) + 1) % 3], 5)
+    dy = make_tensor(lead, hidden, torch.promote_types(dtype, weight_dtype), layout, row_gap=3)
+    ds = make_tensor(lead, hidden, dtype, layout, row_gap=7)
+    weight = (1.0 + 0.5 * torch.randn(hidden, device=DEVICE)).to(weight_dtype)
+
+    def run(function, cast):
+        """(y, s, dx, dresidual, dw) of function(x, residual, weight) on inputs cast by `cast`."""
+        x_in = cast(x).requires_grad_()
+        residual_in = x_in if same_tensor else cast(residual).requires_grad_()
+        w_in = cast(weight).requires_grad_()
+        y, s = function(x_in, residual_in, w_in)
+        torch.autograd.backward((y, s), (cast(dy), cast(ds)))
+        return y.detach(), s.detach(), x_in.grad, residual_in.grad, w_in.grad
+
+    def float64_math(x_, residual_, w_):
+        s = x_ + residual_
+        return w_ * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)), s
+
+    def torch_math(x_, residual_, w_):  # LlamaDecoderLayer's `residual + hidden_states`, then LlamaRMSNorm
+        s = residual_ + x_
+        return llama_rmsnorm_math(s, w_, eps), s
+
+    reference = run(float64_math, lambda t: t.detach().double())
+    torchs = run(torch_math, lambda t: t.detach().clone())
+    ours = run(lambda x_, residual_, w_: add_rms_norm(x_, residual_, w_, eps), lambda t: t.detach().clone())
+
+    assert ours[0].dtype == torchs[0].dtype and ours[1].dtype == x.dtype, "y or s has the wrong dtype"
+    # s is one rounded add in x's dtype, as PyTorch computes it: equal, not merely close.
+    assert torch.equal(ours[1], torchs[1]), f"s differs from residual + x (seed {seed})"
+    for name, a, b, ref in zip(("y", "s", "dx", "dresidual", "dw"), ours, torchs, reference):
+        assert a.shape == ref.shape, name
+        ours_err, torch_err = rel_error(a, ref), rel_error(b, ref)
+        factor = ERROR_FACTOR if a.numel() >= 64 else SMALL_TENSOR_FACTOR
+        limit = factor * torch_err + ERROR_FLOOR[a.dtype]
+        assert ours_err <= limit, (f"{name}: relative error {ours_err:.3e} > limit {limit:.3e} "
+                                   f"(PyTorch same dtype: {torch_err:.3e}; seed {seed})")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("lead,hidden", SHAPES, ids=[f"{'x'.join(map(str, l))}x{h}" for l, h in SHAPES])
+def test_add_matches_reference(lead, hidden, dtype_name, layout):
+    check_add_against_reference(lead, hidden, DTYPES[dtype_name], layout)
+
+
+def test_add_with_fp32_weight_and_bf16_input():
+    # y follows LlamaRMSNorm's promotion (fp32); s stays in x's dtype (bf16), as `residual + x` does.
+    check_add_against_reference((4,), 300, torch.bfloat16, "contiguous", weight_dtype=torch.float32)
+
+
+def test_add_with_x_as_its_own_residual():
+    check_add_against_reference((3, 5), 40, torch.float32, "row_strided", same_tensor=True)
+
+
+def test_add_when_only_y_is_used():
+    # Nothing downstream uses s: autograd passes a zero gradient for it, and dx is the norm's gradient alone.
+    fresh_seed()
+    x, residual = torch.randn(2, 6, 33, device=DEVICE), torch.randn(2, 6, 33, device=DEVICE)
+    weight = 1.0 + 0.5 * torch.randn(33, device=DEVICE)
+    dy = torch.randn(2, 6, 33, device=DEVICE)
+    x_o, residual_o = x.clone().requires_grad_(), residual.clone().requires_grad_()
+    add_rms_norm(x_o, residual_o, weight, 1e-5)[0].backward(dy)
+    x_t = (x + residual).requires_grad_()
+    rms_norm(x_t, weight, 1e-5).backward(dy)
+    assert torch.equal(x_o.grad, residual_o.grad)
+    assert rel_error(x_o.grad, x_t.grad) < 1e-6
+
+
+def test_add_empty_input():
+    x = torch.randn(0, 3, 64, device=DEVICE, requires_grad=True)
+    residual = torch.randn(0, 3, 64, device=DEVICE, requires_grad=True)
+    weight = (1.0 + torch.randn(64, device=DEVICE)).requires_grad_()
+    y, s = add_rms_norm(x, residual, weight)
+    assert y.shape == s.shape == x.shape
+    (y.sum() + s.sum()).backward()
+    assert x.grad.shape == residual.grad.shape == x.shape
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+BAD_ADD_INPUTS = {
+    "residual_shape": (lambda: (_x(4, 8), _x(4, 9), _x(8), 1e-5), ValueError,
+                       r"residual of shape \(4, 9\) does not match x"),
+    "residual_broadcast": (lambda: (_x(4, 8), _x(1, 8), _x(8), 1e-5), ValueError,
+                           "residual of shape .* does not match x"),
+    "residual_dtype": (lambda: (_x(4, 8), _x(4, 8, dtype=torch.bfloat16), _x(8), 1e-5), TypeError,
+                       "residual is torch.bfloat16 but x is torch.float32"),
+    "residual_elsewhere": (lambda: (_x(4, 8), _x(4, 8, device="meta"), _x(8), 1e-5), ValueError,
+                           "residual is on meta"),
+    "residual_not_tensor": (lambda: (_x(4, 8), [[0.0] * 8] * 4, _x(8), 1e-5), TypeError,
+                            "residual must be a torch.Tensor"),
+    # x, weight and eps get rms_norm's checks, named after add_rms_norm
+    "weight_too_short": (lambda: (_x(4, 8), _x(4, 8), _x(7), 1e-5), ValueError, "weight of shape .* does not match"),
+    "x_elsewhere": (lambda: (_x(4, 8, device="meta"), _x(4, 8, device="meta"), _x(8, device="meta"), 1e-5),
+                    ValueError, f"x is on meta, but the Triton kernels run on {KERNEL_DEVICE}"),
+    "x_fp64": (lambda: (_x(4, 8, dtype=torch.float64), _x(4, 8, dtype=torch.float64), _x(8), 1e-5), TypeError,
+               "float32, bfloat16 or float16"),
+    "eps_negative": (lambda: (_x(4, 8), _x(4, 8), _x(8), -1e-5), ValueError, "eps must be a finite number >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ADD_INPUTS))
+def test_add_bad_inputs_raise_clear_errors(case):
+    make_bad, error, message = BAD_ADD_INPUTS[case]
+    x, residual, weight, eps = make_bad()
+    with pytest.raises(error, match=f"^add_rms_norm: .*{message}"):
+        add_rms_norm(x, residual, weight, eps)
+
+
+def test_add_backward_with_gradients_of_another_shape_raises():
+    s, weight, rstd = _x(4, 8), _x(8), torch.ones(4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"add_rmsnorm_backward: ds of shape \(4, 9\) does not match s"):
+        add_rmsnorm_backward(_x(4, 8), _x(4, 9), s, weight, rstd)
+    with pytest.raises(ValueError, match=r"add_rmsnorm_backward: dy of shape \(3, 8\) does not match s"):
+        add_rmsnorm_backward(_x(3, 8), _x(4, 8), s, weight, rstd)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU (there is no second device type to mix up on the CPU)")
+def test_add_cpu_residual_on_gpu_machine_raises():
+    with pytest.raises(ValueError, match="add_rms_norm: residual is on cpu but x is on cuda"):
+        add_rms_norm(torch.randn(4, 8, device="cuda"), torch.randn(4, 8), torch.randn(8, device="cuda"))
+
+
+def _tiny_llama(seed):
+    """The tiny LLaMA in training mode, its norm weights random (ones would hide a missing multiply)."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_tiny_llama_config()).to(DEVICE)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.config.use_cache = False
+    return model.train()
+
+
+def _loss_and_grads(model, input_ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("setup", ["eager_norms", "replace_first", "fuse_first", "checkpointing"])
+def test_fuse_residual_rmsnorm_in_a_llama_model(setup):
+    # Reference: the same model and inputs, unpatched; against TritonRMSNorm (the same kernels without the fused add)
+    # in fp32 the result is the same to the bit, against LlamaRMSNorm within fp32 rounding.
+    input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    reference = _tiny_llama(seed=2)
+    if setup != "eager_norms":
+        replace_rmsnorm(reference, expected=5)
+    ref_loss, ref_grads = _loss_and_grads(reference, input_ids)
+
+    model = _tiny_llama(seed=2)
+    params_before = dict(model.named_parameters())
+    keys_before = list(model.state_dict())
+    with pytest.raises(ValueError, match="found 2 LlamaDecoderLayer modules to patch, expected 3"):
+        fuse_residual_rmsnorm(model, expected=3)
+    assert not any(isinstance(m, TritonRMSNorm) for m in model.modules()), "a refused patch must change nothing"
+    if setup == "fuse_first":
+        assert fuse_residual_rmsnorm(model, expected=2) == 2
+        assert replace_rmsnorm(model, expected=3) == 3  # the two input_layernorms and model.norm are left
+    else:
+        if setup != "eager_norms":
+            assert replace_rmsnorm(model, expected=5) == 5
+        assert fuse_residual_rmsnorm(model, expected=2) == 2
+    if setup == "checkpointing":  # as finetune_optimized.py --activation-checkpointing full sets it up
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert fuse_residual_rmsnorm(model) == 0  # already patched: nothing left to do
+    assert all(isinstance(layer.post_attention_layernorm, TritonAddRMSNorm) for layer in model.model.layers)
+    assert list(model.state_dict()) == keys_before
+    assert all(p is params_before[name] for name, p in model.named_parameters())
+
+    loss, grads = _loss_and_grads(model, input_ids)
+    exact = setup != "eager_norms" and ON_CPU
+    torch.testing.assert_close(loss, ref_loss, rtol=0 if exact else 1e-5, atol=0)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=0 if exact else 1e-4,
+                                   atol=0 if exact else 1e-5 * ref.abs().max().item(), msg=name)
+
+
+def test_fuse_residual_rmsnorm_refuses_a_layer_without_a_llama_norm():
+    model = _tiny_llama(seed=3)
+    model.model.layers[1].post_attention_layernorm = torch.nn.Identity()
+    with pytest.raises(TypeError, match="from_llama_rmsnorm: Identity has no 1-D weight Parameter"):
+        fuse_residual_rmsnorm(model)
+    assert not any(isinstance(m, TritonAddRMSNorm) for m in model.modules()), "a refused patch must change nothing"
+    assert "forward" not in vars(model.model.layers[0])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

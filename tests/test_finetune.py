@@ -79,9 +79,11 @@ def test_json_contents(parity_runs):
 
 def test_replacement_counts(parity_runs):
     assert parity_runs["baseline"][0]["replaced"] == {}
-    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 MLPs, 2 attention layers calling the patched RoPE
-    assert parity_runs["linear_ce"][0]["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2, "rope_attention": 2}
-    assert parity_runs["ce"][0]["variant"] == "rmsnorm+ce+swiglu+rope"
+    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 layers' residual add + RMSNorm fused, 2 MLPs, 2 attention layers
+    # calling the patched RoPE
+    assert parity_runs["linear_ce"][0]["replaced"] == {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu_mlp": 2,
+                                                       "rope_attention": 2}
+    assert parity_runs["ce"][0]["variant"] == "rmsnorm+ce+swiglu+rope+fused_add_rmsnorm"
 
 
 @pytest.mark.parametrize("variant", ["linear_ce", "ce"])
@@ -92,11 +94,12 @@ def test_loss_parity(parity_runs, variant):
     assert optimized == pytest.approx(baseline, rel=2e-5)
 
 
-def test_no_swiglu_no_rope_and_synthetic_default(tmp_path):
+def test_no_swiglu_no_rope_no_fused_add_and_synthetic_default(tmp_path):
     result, _ = run_script("finetune_optimized.py", tmp_path, "noswiglu", "--steps", "2", "--seq-len", "16",
-                           "--no-swiglu", "--no-rope", "--optimizer", "adamw_fused")
+                           "--no-swiglu", "--no-rope", "--no-fused-add-rmsnorm", "--optimizer", "adamw_fused")
     assert result["replaced"] == {"rmsnorm": 5} and result["options"]["data"] == "synthetic"
     assert result["variant"] == "rmsnorm+linear_ce" and result["options"]["rope"] is False
+    assert result["options"]["fused_add_rmsnorm"] is False
 
 
 def tiny_model_with_random_norms(seed):
@@ -130,6 +133,7 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
 
     # In place, reusing the same parameters (as the script does); the RoPE patch is process-wide: restored after.
     assert finetune_optimized.replace_rmsnorm(model, expected=5) == 5
+    assert finetune_optimized.fuse_residual_rmsnorm(model, expected=2) == 2
     assert finetune_optimized.replace_llama_mlp(model, expected=2) == 2
     shift_labels = finetune_optimized.shift_labels_of(labels)
     original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
