@@ -33,7 +33,6 @@ from swiglu_kernel import swiglu  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EXACT = dict(rtol=0, atol=0)
 
 
 @pytest.fixture(autouse=True)
@@ -62,11 +61,11 @@ def outputs_and_grads(fn, inputs, upstream):
     return [out.detach() for out in outputs] + [t.grad for t in inputs]
 
 
-def assert_compiled_matches_eager(fn, inputs, upstream, **tolerance):
+def assert_compiled_matches_eager(fn, inputs, upstream):
     eager = outputs_and_grads(fn, inputs, upstream)
     ours = outputs_and_grads(compiled(fn), inputs, upstream)
     for index, (a, b) in enumerate(zip(ours, eager)):
-        torch.testing.assert_close(a, b, **(tolerance or EXACT), equal_nan=True, msg=f"result {index}")
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"result {index}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
