@@ -41,6 +41,13 @@ Class-index targets only (no probability targets); fp32 arithmetic and loss, gra
 targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the stored gradient in
 place, so it runs once. Part 2's kernel runs only where it was verified (compute capability 9.x, Triton 3.6); every
 other GPU, and fp32 logits, take the row kernel.
+
+torch.compile
+-------------
+The custom operators torch.ops.playbook.cross_entropy and linear_cross_entropy, extras included, with their backward
+operators scale_rows_ and linear_cross_entropy_backward (section 3, as in rmsnorm_kernel.py), let torch.compile trace
+both losses without a graph break. inplace_backward=True cannot be compiled (a clear error): there the gradient gets
+its own buffer.
 """
 import os
 import sys
@@ -923,7 +930,7 @@ def cross_entropy_backward(grad_logits, grad_output):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 3. Autograd Function, functional API, module, model patching
+# 3. Autograd Function, custom operators (torch.compile), functional API, module, model patching
 # ----------------------------------------------------------------------------------------------------------------------
 class CrossEntropyOutput(NamedTuple):
     """What `cross_entropy` and `linear_cross_entropy` return when a return_* flag is set (Liger-Kernel's fields);
@@ -976,6 +983,107 @@ class CrossEntropyFunction(torch.autograd.Function):
         return (cross_entropy_backward(grad, grad_output),) + (None,) * 12
 
 
+# torch.compile cannot look inside a launcher, so the fused losses become custom operators, opaque nodes of the graph
+# (see rmsnorm_kernel.py, where this is introduced): register_fake gives their outputs' shapes without running them,
+# register_autograd their backward. The design stays the same: the forward operator returns the gradient, already
+# scaled for the reduction, as one more (non-differentiable) output, and the backward multiplies it by grad_output on
+# the device, with no host sync. An operator returns a fixed list of tensors, so the CrossEntropyOutput fields that were
+# not asked for come back as empty tensors, and the Python wrapper turns them into None again.
+def _empty(device):
+    """The placeholder for an operator output that was not asked for."""
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _fields(result, device):
+    """A loss or CrossEntropyOutput as the four fields an operator returns (placeholders where None)."""
+    fields = result if isinstance(result, CrossEntropyOutput) else CrossEntropyOutput(result)
+    return tuple(_empty(device) if value is None else value for value in fields)
+
+
+def _fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens):
+    """What _fields returns, as empty tensors: the loss, z-loss and accuracy are fp32, one value or one per row."""
+    shape = targets.shape if reduction == "none" else ()
+    device = targets.device
+
+    def fp32(wanted):
+        return torch.empty(shape, dtype=torch.float32, device=device) if wanted else _empty(device)
+    predicted = (torch.empty(targets.shape, dtype=torch.int64, device=device) if return_predicted_tokens
+                 else _empty(device))
+    return fp32(True), fp32(return_z_loss), fp32(return_token_accuracy), predicted
+
+
+def _from_fields(fields, return_z_loss, return_token_accuracy, return_predicted_tokens):
+    """The functional API's result from an operator's four fields: the loss, or a CrossEntropyOutput."""
+    loss, z_loss, accuracy, predicted = fields
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return loss
+    return CrossEntropyOutput(loss, z_loss if return_z_loss else None, accuracy if return_token_accuracy else None,
+                              predicted if return_predicted_tokens else None)
+
+
+@torch.library.custom_op("playbook::cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+                      label_smoothing: float, compute_grad: bool, check_targets: bool, weight: Optional[torch.Tensor],
+                      lse_square_scale: float, softcap: Optional[float], return_z_loss: bool,
+                      return_token_accuracy: bool, return_predicted_tokens: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cross_entropy_forward as an operator: (loss, z_loss, token_accuracy, predicted_tokens, grad_logits),
+    placeholders for the fields not asked for and for the gradient without compute_grad."""
+    result, grad = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing,
+                                         compute_grad=compute_grad, check_targets=check_targets, weight=weight,
+                                         lse_square_scale=lse_square_scale, softcap=softcap,
+                                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                                         return_predicted_tokens=return_predicted_tokens)
+    return *_fields(result, logits.device), _empty(logits.device) if grad is None else grad
+
+
+@_cross_entropy_op.register_fake
+def _(logits, targets, ignore_index, reduction, label_smoothing, compute_grad, check_targets, weight,
+      lse_square_scale, softcap, return_z_loss, return_token_accuracy, return_predicted_tokens):
+    grad = (torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad
+            else _empty(logits.device))
+    return *_fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens), grad
+
+
+@torch.library.custom_op("playbook::scale_rows_", mutates_args=("x",))
+def _scale_rows_op(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """x *= scale in place, row by row (cross_entropy_backward), as an operator: the fused losses' backward. It
+    declares that it overwrites x (mutates_args), so the compiler knows: it scales the forward's gradient buffer
+    itself where nothing else reads that buffer (a backward's saved tensor, under inductor), a copy otherwise."""
+    _scale_rows_(x.view(1, -1) if x.dim() == 1 else x, scale)  # a bias gradient is one row
+
+
+@_scale_rows_op.register_fake
+def _(x, scale):
+    return None
+
+
+def _cross_entropy_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient
+    ctx.save_for_backward(output[4])  # the gradient, already scaled for the reduction
+
+
+def _cross_entropy_op_backward(ctx, grad_output, *extras_grads):
+    (grad_logits,) = ctx.saved_tensors
+    # Scaling in place bumps the saved tensor's version counter: a second backward through this graph then fails,
+    # as CrossEntropyFunction's does, instead of scaling twice.
+    torch.ops.playbook.scale_rows_(grad_logits, grad_output)
+    return (grad_logits,) + (None,) * 12
+
+
+_cross_entropy_op.register_autograd(_cross_entropy_op_backward, setup_context=_cross_entropy_setup_context)
+
+
+# A `raise` inside code that torch.compile traces makes it quietly run that code eagerly instead (where the in-place
+# path works), so the refusal lives in a function it does not trace: it raises the error, and under fullgraph=True the
+# compile fails with its reason.
+@torch.compiler.disable(reason="cross_entropy: inplace_backward=True cannot be compiled; pass inplace_backward=False")
+def _refuse_compiled_inplace_backward():
+    raise ValueError("cross_entropy: inplace_backward=True cannot be compiled: an operator with a registered backward "
+                     "may not overwrite its input (the logits); pass inplace_backward=False under torch.compile, "
+                     "which gives the gradient its own buffer")
+
+
 def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False,
                   check_targets=False, *, weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
                   return_token_accuracy=False, return_predicted_tokens=False):
@@ -989,7 +1097,9 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
     buffer). Contract: after this call the logits tensor holds the gradient, so it must not be used again (fine for
     lm_head's output: a matmul's backward needs its inputs, not its output; if another op saved the logits for its
-    backward, autograd raises). Otherwise one gradient buffer of the logits' size is allocated.
+    backward, autograd raises). Otherwise one gradient buffer of the logits' size is allocated. torch.compile traces
+    the call as the operator torch.ops.playbook.cross_entropy, where inplace_backward=True raises ValueError (an
+    operator with a backward may not overwrite its input).
 
     Targets outside [0, V) other than ignore_index are never used as addresses; their rows' loss and gradient are NaN.
     check_targets=True validates them on the host first and raises ValueError (a device sync: a debug mode).
@@ -1011,7 +1121,21 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     """
     extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
-    if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad:
+    compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
+    # Eager calls take the autograd.Function, whose dispatch costs tens of microseconds less host time per call than a
+    # custom operator's (see rms_norm in rmsnorm_kernel.py); under torch.compile only the operator can be traced.
+    if torch.compiler.is_compiling():
+        if inplace_backward:
+            _refuse_compiled_inplace_backward()
+        # Checked here, not in the operator: its schema would turn a flag of 1 into True without a word.
+        _validate_cross_entropy("cross_entropy", logits, targets, reduction, label_smoothing)
+        _check_extras("cross_entropy", weight, lse_square_scale, softcap, dict(
+                      return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                      return_predicted_tokens=return_predicted_tokens), V=logits.shape[-1], device=logits.device)
+        fields = torch.ops.playbook.cross_entropy(logits, targets, ignore_index, reduction, label_smoothing,
+                                                  compute_grad, check_targets, *extras.values())
+        return _from_fields(fields[:4], return_z_loss, return_token_accuracy, return_predicted_tokens)
+    if compute_grad:
         result = CrossEntropyFunction.apply(logits, targets, ignore_index, reduction, label_smoothing,
                                             inplace_backward, check_targets, *extras.values())
         return CrossEntropyOutput(*result) if isinstance(result, tuple) else result
@@ -1179,6 +1303,18 @@ def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, 
     return h, _LossTerms(targets, ignore_index, reduction, hidden.device, **extras)
 
 
+def _linear_cross_entropy_none_backward(h, weight, bias, targets_flat, grad_output, wants, chunk_rows, ignore_index,
+                                        label_smoothing, extras):
+    """reduction="none"'s backward: (dh, dW, db) from the chunks again, with the per-row grad_output as the kernel's
+    scale (it may be <= 0). wants: (want_dh, want_dw, want_db); extras: those that shape the gradient."""
+    scale = grad_output.reshape(-1)  # an expanded grad_output (loss.sum().backward()) keeps stride 0: fine
+    scratch_losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    if extras.z_losses is not None:
+        extras = extras._replace(z_losses=torch.empty_like(scratch_losses), z_scale=scale)
+    return _linear_cross_entropy_chunks(h, weight, bias, targets_flat, scratch_losses, scale, scale.stride(0), *wants,
+                                        chunk_rows, ignore_index, label_smoothing, positive_scale=False, extras=extras)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Forward: loss and all gradients, chunk by chunk (mean/sum), or the losses only ("none"). Backward: scales the
     stored gradients by grad_output, or ("none") recomputes the chunks with the per-row grad_output as the scale."""
@@ -1214,14 +1350,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.reduction == "none":
             h, weight, bias, targets_flat = ctx.saved_tensors
             ignore_index, label_smoothing, chunk_rows = ctx.args
-            scale = grad_output.reshape(-1)  # an expanded grad_output (loss.sum().backward()) keeps stride 0: fine
-            scratch_losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-            extras = ctx.extras
-            if extras.z_losses is not None:
-                extras = extras._replace(z_losses=torch.empty_like(scratch_losses), z_scale=scale)
-            dh, dw, db = _linear_cross_entropy_chunks(h, weight, bias, targets_flat, scratch_losses, scale,
-                                                      scale.stride(0), *ctx.wants, chunk_rows, ignore_index,
-                                                      label_smoothing, positive_scale=False, extras=extras)
+            dh, dw, db = _linear_cross_entropy_none_backward(h, weight, bias, targets_flat, grad_output, ctx.wants,
+                                                             chunk_rows, ignore_index, label_smoothing, ctx.extras)
         else:
             if ctx.grads is None:
                 raise RuntimeError("linear_cross_entropy: the fused backward scales its stored gradients in place and "
@@ -1236,6 +1366,106 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (dh, dw, db) + (None,) * 15
 
 
+# The custom operators of the linear cross-entropy, as those of `cross_entropy` above: the forward returns the four
+# CrossEntropyOutput fields and dh, dW, db, already scaled for the reduction; the backward scales them in place by
+# grad_output (playbook::scale_rows_). reduction="none" computes no gradient in the forward: its backward operator
+# recomputes the chunks with the per-row grad_output.
+@torch.library.custom_op("playbook::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             targets: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+                             chunk_size: Optional[int], check_targets: bool, want_dh: bool, want_dw: bool,
+                             want_db: bool, ce_weight: Optional[torch.Tensor], lse_square_scale: float,
+                             softcap: Optional[float], return_z_loss: bool, return_token_accuracy: bool,
+                             return_predicted_tokens: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """LinearCrossEntropyFunction's forward as an operator: (loss, z_loss, token_accuracy, predicted_tokens, dh, dW,
+    db), placeholders for the fields and gradients not asked for (and for every gradient with reduction="none")."""
+    V = weight.shape[0]
+    h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, dict(
+        weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens))
+    chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
+    wants = (want_dh, want_dw, want_db) if reduction != "none" else (False, False, False)
+    dh, dw, db = _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, *wants,
+                                              chunk_rows, ignore_index, label_smoothing, extras=terms.extras)
+    grads = (None if dh is None else dh.view(hidden.shape), dw, db)
+    return *_fields(terms.result(), hidden.device), *(_empty(hidden.device) if g is None else g for g in grads)
+
+
+def _fake_linear_grads(hidden, weight, want_dh, want_dw, want_db):
+    """Empty (dh, dW, db) as _linear_cross_entropy_chunks allocates them, placeholders where not wanted (one each:
+    outputs that are one tensor would alias each other, which the real operator's never do)."""
+    device = hidden.device
+    return (torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if want_dh else _empty(device),
+            torch.empty_like(weight) if want_dw else _empty(device),
+            torch.empty(weight.shape[0], dtype=weight.dtype, device=device) if want_db else _empty(device))
+
+
+@_linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size, check_targets, want_dh,
+      want_dw, want_db, ce_weight, lse_square_scale, softcap, return_z_loss, return_token_accuracy,
+      return_predicted_tokens):
+    grads = reduction != "none"
+    return (*_fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens),
+            *_fake_linear_grads(hidden, weight, want_dh and grads, want_dw and grads, want_db and grads))
+
+
+@torch.library.custom_op("playbook::linear_cross_entropy_backward", mutates_args=())
+def _linear_cross_entropy_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                      targets: torch.Tensor, grad_output: torch.Tensor, ignore_index: int,
+                                      label_smoothing: float, chunk_size: Optional[int], want_dh: bool, want_dw: bool,
+                                      want_db: bool, ce_weight: Optional[torch.Tensor], lse_square_scale: float,
+                                      softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none"'s backward as an operator: (dh, dW, db), placeholders where not wanted."""
+    V = weight.shape[0]
+    h, terms = _prepare_linear(hidden, targets, "none", ignore_index, False, V, dict(
+        weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap))
+    chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
+    dh, dw, db = _linear_cross_entropy_none_backward(h, weight, bias, terms.targets_flat, grad_output,
+                                                     (want_dh, want_dw, want_db), chunk_rows, ignore_index,
+                                                     label_smoothing, terms.extras)
+    grads = (None if dh is None else dh.view(hidden.shape), dw, db)
+    return tuple(_empty(hidden.device) if g is None else g for g in grads)
+
+
+@_linear_cross_entropy_backward_op.register_fake
+def _(hidden, weight, bias, targets, grad_output, ignore_index, label_smoothing, chunk_size, want_dh, want_dw,
+      want_db, ce_weight, lse_square_scale, softcap):
+    return _fake_linear_grads(hidden, weight, want_dh, want_dw, want_db)
+
+
+def _linear_cross_entropy_setup_context(ctx, inputs, output):
+    (hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size, _, want_dh, want_dw, want_db,
+     ce_weight, lse_square_scale, softcap) = inputs[:15]
+    ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient
+    ctx.reduction, ctx.wants = reduction, (want_dh, want_dw, want_db)
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, targets, ce_weight)
+        ctx.args = (ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap)
+    else:
+        ctx.save_for_backward(*output[4:])  # dh, dW, db, already scaled for the reduction
+
+
+def _linear_cross_entropy_op_backward(ctx, grad_output, *extras_grads):
+    if ctx.reduction == "none":
+        hidden, weight, bias, targets, ce_weight = ctx.saved_tensors
+        ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap = ctx.args
+        grads = torch.ops.playbook.linear_cross_entropy_backward(
+            hidden, weight, bias, targets, grad_output, ignore_index, label_smoothing, chunk_size, *ctx.wants,
+            ce_weight, lse_square_scale, softcap)
+    else:
+        grads = ctx.saved_tensors
+        for grad, wanted in zip(grads, ctx.wants):
+            if wanted:  # in place, as in _cross_entropy_op_backward: a second backward fails instead of scaling twice
+                torch.ops.playbook.scale_rows_(grad, grad_output)
+    return tuple(grad if wanted else None for grad, wanted in zip(grads, ctx.wants)) + (None,) * 15
+
+
+_linear_cross_entropy_op.register_autograd(_linear_cross_entropy_op_backward,
+                                           setup_context=_linear_cross_entropy_setup_context)
+
+
 def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          chunk_size=None, check_targets=False, *, ce_weight=None, lse_square_scale=0.0, softcap=None,
                          return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
@@ -1248,6 +1478,7 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
     mean/sum the gradients are computed in this call (its backward only scales them); for "none" the backward
     recomputes the chunks. The extras are those of `cross_entropy`, the class weights named ce_weight (as in Liger's
     fused linear cross-entropy); the token accuracy and predicted tokens come without the logits ever being held.
+    torch.compile traces the call as the operator torch.ops.playbook.linear_cross_entropy.
     """
     _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, label_smoothing)
     extras = dict(weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
@@ -1260,6 +1491,13 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
     want_dh = grad_enabled and hidden.requires_grad
     want_dw = grad_enabled and weight.requires_grad
     want_db = grad_enabled and bias is not None and bias.requires_grad
+    # Eager calls take the autograd.Function (cheaper to dispatch, see `cross_entropy`); torch.compile traces the
+    # operator.
+    if torch.compiler.is_compiling():
+        fields = torch.ops.playbook.linear_cross_entropy(hidden, weight, bias, targets, ignore_index, reduction,
+                                                         label_smoothing, chunk_size, check_targets, want_dh, want_dw,
+                                                         want_db, *extras.values())
+        return _from_fields(fields[:4], return_z_loss, return_token_accuracy, return_predicted_tokens)
     if want_dh or want_dw or want_db:
         result = LinearCrossEntropyFunction.apply(hidden, weight, bias, targets, ignore_index, reduction,
                                                   label_smoothing, chunk_size, check_targets, want_dh, want_dw,

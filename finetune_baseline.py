@@ -6,7 +6,8 @@ peak-memory counter, then --steps timed steps of forward -> loss -> backward -> 
 
 finetune_optimized.py is the same script with the fused kernels plugged in; `diff finetune_baseline.py
 finetune_optimized.py` shows exactly what they change. This one also offers the peers a user would try first:
---compile (torch.compile of the model) and --liger (Liger-Kernel's apply_liger_kernel_to_llama).
+--compile (torch.compile of the model with its loss; --compile-mode picks inductor's mode) and --liger (Liger-Kernel's
+apply_liger_kernel_to_llama). finetune_optimized.py has the same --compile, around its kernels.
 
     python finetune_baseline.py                                 # 20 steps at 1x512 (tiny LLaMA on CPU)
     python finetune_baseline.py --seq-len 8192 --out results/finetune_baseline_1x8192.json
@@ -47,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import transformers
@@ -57,6 +58,11 @@ from transformers.utils import is_accelerate_available
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
+# Without a GPU, --compile uses aot_eager: it traces the step as inductor would (with fake tensors, through the kernels'
+# custom operators, into forward and backward graphs) but generates no code. Inductor's C++ for the CPU takes ~30 s to
+# compile even the tiny model on 2 cores and would speed up nothing that matters: the kernels run on the interpreter.
+COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager"
 
 
 def build_parser():
@@ -124,10 +130,16 @@ def build_parser():
     parser.add_argument("--out", default=None,
                         help="JSON results path; when not given: runs/<script>_<model>-<weights>_<variant>_<data>_"
                              "<optimizer>_<dtype>_<shape>[_fsdpN][_<option>=<value>...].json")
-    # -- baseline only: the peers a user would try -----------------------------------------------------------------
-    peers = parser.add_mutually_exclusive_group()
-    peers.add_argument("--compile", action="store_true", help="torch.compile(model)")
-    peers.add_argument("--liger", action="store_true", help="Liger-Kernel's apply_liger_kernel_to_llama(model=...)")
+    # -- torch.compile (the same flags in both scripts) ----------------------------------------------------------------
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model with its loss (compiled on the warm-up step)")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                        help="torch.compile's mode: reduce-overhead replays each step's kernel launches as CUDA "
+                             "graphs (no host work per launch); max-autotune-no-cudagraphs tries more kernel "
+                             "configurations (a longer compile)")
+    # -- baseline only: the other peer a user would try (the first is --compile) -------------------------------------
+    parser.add_argument("--liger", action="store_true",
+                        help="Liger-Kernel's apply_liger_kernel_to_llama(model=...); not with --compile")
     return parser
 
 
@@ -139,6 +151,13 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
         parser.error("--seq-len must be at least 2: the loss predicts each next token, so 1 token has none")
+    if args.compile_mode != "default" and not args.compile:
+        parser.error("--compile-mode goes with --compile")
+    if args.compile_mode != "default" and COMPILE_BACKEND != "inductor":
+        parser.error(f"--compile-mode needs a GPU: without one, --compile uses the {COMPILE_BACKEND} backend, which "
+                     f"has no modes")
+    if args.liger and args.compile:
+        parser.error("--liger and --compile are two peers to compare against: pick one")
     if args.plot and not (args.out or "").endswith(".png"):
         parser.error("--plot writes a PNG: give its path with --out FILE.png")
     if args.warmup_seq_len is not None and args.warmup_seq_len < 2:
@@ -170,8 +189,9 @@ def parse_args(argv=None):
         if args.seq_len_search != sorted(set(args.seq_len_search)) or min(args.seq_len_search) < 2:
             parser.error("--seq-len-search lengths must be at least 2 and increasing")
     if args.fsdp:
-        combined = [name for name in ("seq_len_search", "compile", "liger") if getattr(args, name, None)]  # the last
-        if combined:                                                      # two exist in finetune_baseline.py only
+        # --liger exists in finetune_baseline.py only
+        combined = [name for name in ("seq_len_search", "compile", "liger") if getattr(args, name, None)]
+        if combined:
             parser.error(f"--fsdp cannot be combined with --{combined[0].replace('_', '-')}")
         if "WORLD_SIZE" not in os.environ:
             parser.error(f"--fsdp needs a distributed launcher, e.g. torchrun --standalone --nproc-per-node 2 "
@@ -638,10 +658,11 @@ def enable_activation_checkpointing(model, mode, offload_layers, checkpoint_laye
     decoder layers (all by default): "full" recomputes the whole layer in the backward, "selective" all of it but
     attention. The first offload_layers layers keep their checkpointed input on the host. Returns the
     ActivationOffloader, or None."""
-    context_fn = (functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)
-                  if mode == "selective" else noop_context_fn)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                       "context_fn": context_fn})
+    checkpoint_kwargs = {"use_reentrant": False}
+    if mode == "selective":  # "full" keeps checkpoint's default context, which torch.compile can trace
+        checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                            keep_attention_outputs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
     if checkpoint_layers is not None:
         for layer in model.model.layers[checkpoint_layers:]:
             layer.gradient_checkpointing = False  # transformers' per-layer switch: this layer keeps its activations
@@ -825,9 +846,12 @@ def main(argv=None):
         offloader = enable_activation_checkpointing(model, args.activation_checkpointing, args.offload_activations,
                                                     args.checkpoint_layers)
 
-    if args.compile:
-        model = torch.compile(model)  # compiles on the warm-up step
     model_with_loss = ModelWithLoss(model, loss_impl)
+    if args.compile:
+        # The model and its loss compile as one module, on the warm-up step: the fused linear cross-entropy of
+        # finetune_optimized.py reads lm_head's weight outside lm_head's forward, so compiling the model alone would
+        # leave the loss and lm_head out of the graph.
+        model_with_loss = torch.compile(model_with_loss, backend=COMPILE_BACKEND, mode=args.compile_mode)
     if args.fsdp:
         # FSDP2: every parameter is split across the ranks. Each decoder layer is one unit that all-gathers its
         # parameters just before its forward (and again for its backward), frees them after, and reduce-scatters
@@ -873,7 +897,8 @@ def main(argv=None):
 
     def warm_up(micro_batches):
         """The untimed first step: kernels compile, cuBLAS picks algorithms, the optimizer creates its state. The
-        first attention layer's forward records which SDPA kernel runs."""
+        first attention layer's forward records which SDPA kernel runs, but not under --compile: the recorder,
+        entered inside the compiled model, would break its graph and send the decoder layers back to eager."""
         recorder = AttentionKernelRecorder()
 
         def start_recording(*_):  # a hook that returns None leaves the layer's inputs and outputs as they are
@@ -882,8 +907,8 @@ def main(argv=None):
         def stop_recording(*_):
             recorder.__exit__(None, None, None)
         attention = model.model.layers[0].self_attn
-        hooks = [attention.register_forward_pre_hook(start_recording),
-                 attention.register_forward_hook(stop_recording)]
+        hooks = [] if args.compile else [attention.register_forward_pre_hook(start_recording),
+                                         attention.register_forward_hook(stop_recording)]
         try:
             t0 = time.perf_counter()
             loss, _ = train_step(micro_batches)
@@ -903,11 +928,15 @@ def main(argv=None):
     print(f"{script}: variant {variant}, loss {loss_impl}, optimizer {args.optimizer}, lr {args.lr}, data {args.data}"
           + (f", replaced {replaced}" if replaced else "")
           + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
+    if args.compile:
+        print(f"torch.compile: backend {COMPILE_BACKEND}, mode {args.compile_mode}"
+              + ("" if HAS_CUDA else " (no CUDA device: aot_eager traces the graphs, generates no code)"))
 
     info["allocator_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     result = {**info, "script": script, "model": args.model, "weights": weights,
               "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
-              "replaced": replaced, "world_size": world_size, "options": vars(args)}
+              "replaced": replaced, "world_size": world_size, "options": vars(args),
+              "compile_backend": COMPILE_BACKEND if args.compile else None}
     out_path = Path(args.out) if args.out else default_out_path(args, weights, result["dtype"], variant, world_size)
 
     if args.seq_len_search:
@@ -1024,7 +1053,8 @@ def main(argv=None):
                  else ""))
         print(f"loss            : {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {args.steps})"
               + (f" | token accuracy {accuracies[0]:.3f} -> {accuracies[-1]:.3f}" if accuracies else ""))
-        print(f"attention       : {', '.join(attention_kernels) or 'no SDPA kernel seen'} | checkpointing "
+        not_seen = "not recorded under --compile" if args.compile else "no SDPA kernel seen"
+        print(f"attention       : {', '.join(attention_kernels) or not_seen} | checkpointing "
               f"{args.activation_checkpointing}" + (f", MLP tiles of {args.tiled_mlp} tokens" if args.tiled_mlp else "")
               + (", optimizer in backward" if args.optimizer_in_backward else "")
               + f" | allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'default'}")

@@ -36,6 +36,11 @@ q and k 4-D with the same batch and token count, head_dim even and the same in q
 broadcastable over batch and tokens; one dtype for all four (fp32, bf16, fp16), one device; unsqueeze_dim 1 or 2. A
 last dimension that is not contiguous is copied. Offsets are int64. Without a GPU the same kernel runs on Triton's CPU
 interpreter (slow: toy sizes).
+
+torch.compile
+-------------
+The custom operators torch.ops.playbook.rope and rope_backward (section 3, as in rmsnorm_kernel.py) let torch.compile
+trace LLaMA attention with the patched apply_rotary_pos_emb without a graph break.
 """
 import contextlib
 import functools
@@ -348,7 +353,7 @@ def rope_backward(dq_embed, dk_embed, cos, sin, *, block_t=None, block_heads=Non
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 3. Autograd Function, functional API, module, model patching
+# 3. Autograd Function, custom operators (torch.compile), functional API, module, model patching
 # ----------------------------------------------------------------------------------------------------------------------
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
@@ -366,9 +371,67 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None  # no gradient for cos and sin (checked in apply_rotary_pos_emb)
 
 
+# torch.compile cannot look inside a launcher, so the kernel becomes a custom operator, an opaque node of the graph
+# (see rmsnorm_kernel.py, where this is introduced): register_fake gives its outputs' shapes and strides without
+# running it, register_autograd its backward, a custom operator too.
+@torch.library.custom_op("playbook::rope", mutates_args=())
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_forward as an operator: (q_embed, k_embed)."""
+    return rope_forward(q, k, cos, sin)
+
+
+def _like_launcher_output(t):
+    """An empty tensor laid out as the launchers allocate their outputs: empty_like of t, copied first when t's last
+    dimension is not contiguous. The strides matter: attention reads q_embed through them."""
+    return torch.empty_like(_unit_column_stride(t))
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin):
+    _validate(q, k, cos, sin, "apply_rotary_pos_emb")  # bad input fails while tracing, with the launcher's message
+    return _like_launcher_output(q), _like_launcher_output(k)
+
+
+@torch.library.custom_op("playbook::rope_backward", mutates_args=())
+def _rope_backward_op(dq_embed: torch.Tensor, dk_embed: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_backward as an operator: (dq, dk)."""
+    return rope_backward(dq_embed, dk_embed, cos, sin)
+
+
+@_rope_backward_op.register_fake
+def _(dq_embed, dk_embed, cos, sin):
+    return _like_launcher_output(dq_embed), _like_launcher_output(dk_embed)
+
+
+def _rope_setup_context(ctx, inputs, output):
+    _, _, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)  # what RoPEFunction saves
+
+
+def _rope_op_backward(ctx, dq_embed, dk_embed):
+    cos, sin = ctx.saved_tensors
+    dq, dk = torch.ops.playbook.rope_backward(dq_embed, dk_embed, cos, sin)
+    return dq, dk, None, None  # no gradient for cos and sin, as in RoPEFunction
+
+
+_rope_op.register_autograd(_rope_op_backward, setup_context=_rope_setup_context)
+
+
+def _rope(q, k, cos, sin):
+    """(q_embed, k_embed) for q [B, Hq, T, D], k [B, Hkv, T, D], differentiable in q and k."""
+    # Eager calls take the autograd.Function, whose dispatch costs tens of microseconds less host time per call than a
+    # custom operator's (see rms_norm in rmsnorm_kernel.py); under torch.compile only the operator can be traced.
+    if torch.compiler.is_compiling():
+        return torch.ops.playbook.rope(q, k, cos, sin)
+    return RoPEFunction.apply(q, k, cos, sin)
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """Drop-in for transformers' `apply_rotary_pos_emb`, same signature and result (one rounding instead of three,
-    see "Cast order" above the kernels), differentiable in q and k.
+    see "Cast order" above the kernels), differentiable in q and k, and traced by torch.compile as the operator
+    torch.ops.playbook.rope.
 
     unsqueeze_dim=1 (LLaMA): q [B, Hq, T, D], k [B, Hkv, T, D]; unsqueeze_dim=2: q [B, T, Hq, D], k [B, T, Hkv, D]
     (the same kernel on the transposed views). cos, sin: [B or 1, T, D] in q's dtype, not requiring grad."""
@@ -377,7 +440,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
                          "require grad; compute them under torch.no_grad() (as LlamaRotaryEmbedding does) or detach "
                          "them")
     if unsqueeze_dim in (1, -3):  # where cos.unsqueeze(dim) puts the head axis of a 4-D q: 1 and -3 are the same
-        return RoPEFunction.apply(q, k, cos, sin)
+        return _rope(q, k, cos, sin)
     if unsqueeze_dim in (2, -2):
         for name, t in (("q", q), ("k", k)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -386,7 +449,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
                                  f"[batch, tokens, heads, head_dim], got {got}")
         # [B, T, H, D] -> [B, H, T, D] views: only the strides change, so the same kernel applies, and the outputs
         # (allocated like these views) transpose back to the caller's layout.
-        q_embed, k_embed = RoPEFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q_embed, k_embed = _rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     raise NotImplementedError(f"apply_rotary_pos_emb: unsqueeze_dim={unsqueeze_dim} is not supported; use 1 "
                               f"(q, k as [batch, heads, tokens, head_dim], LLaMA's layout) or 2 "

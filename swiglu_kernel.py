@@ -32,6 +32,11 @@ Limits
 gate and up: same shape, dtype (fp32, bf16, fp16) and device, at least one dimension, any leading dimensions; rows
 may be strided, a last dimension that is not contiguous is copied. Offsets are int64 (tensors may exceed 2**31
 elements). Without a GPU the same kernels run on Triton's CPU interpreter (slow: toy sizes).
+
+torch.compile
+-------------
+The custom operators torch.ops.playbook.swiglu, swiglu_backward and the in-place swiglu_backward_ (section 3, as in
+rmsnorm_kernel.py) let torch.compile trace TritonLlamaMLP, in-place backward included, without a graph break.
 """
 import contextlib
 import os
@@ -288,7 +293,7 @@ def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 3. Autograd Function, functional API, module, model patching
+# 3. Autograd Function, custom operators (torch.compile), functional API, module, model patching
 # ----------------------------------------------------------------------------------------------------------------------
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
@@ -319,14 +324,85 @@ class SwiGLUFunction(torch.autograd.Function):
         return dgate, dup, None
 
 
+# torch.compile cannot look inside a launcher, so the kernels become custom operators, opaque nodes of the graph (see
+# rmsnorm_kernel.py, where this is introduced): register_fake gives each one's output shapes without running it,
+# register_autograd the backward. The in-place backward is an operator that declares what it overwrites
+# (mutates_args=("gate", "up")), so the compiler knows: where anything else still reads gate or up it hands the
+# operator copies, and where nothing does, as with a backward's saved activations under inductor, the kernel
+# overwrites the activations themselves.
+@torch.library.custom_op("playbook::swiglu", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+    """swiglu_forward as an operator; inplace_backward only picks the backward operator (see _swiglu_setup_context)."""
+    return swiglu_forward(gate, up)
+
+
+@_swiglu_op.register_fake
+def _(gate, up, inplace_backward):
+    _check_pair(gate, up, "swiglu")  # bad input fails while tracing, with the launcher's message
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.custom_op("playbook::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(gate: torch.Tensor, up: torch.Tensor,
+                        dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """swiglu_backward into fresh buffers, as an operator: (dgate, dup)."""
+    return swiglu_backward(gate, up, dy)
+
+
+@_swiglu_backward_op.register_fake
+def _(gate, up, dy):
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+
+
+@torch.library.custom_op("playbook::swiglu_backward_", mutates_args=("gate", "up"))
+def _swiglu_backward_inplace_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> None:
+    """dgate written over gate and dup over up, as an operator (the trailing underscore: in place, as in torch)."""
+    dgate, dup = swiglu_backward(gate, up, dy, inplace=True)
+    if dgate is not gate:  # the launcher wrote fresh buffers (gate or up not contiguous, or one storage): copy back
+        gate.copy_(dgate)
+        up.copy_(dup)
+
+
+@_swiglu_backward_inplace_op.register_fake
+def _(gate, up, dy):
+    return None
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    gate, up, inplace_backward = inputs
+    ctx.save_for_backward(gate, up)  # what SwiGLUFunction saves
+    ctx.inplace_backward = inplace_backward
+
+
+def _swiglu_op_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    if ctx.inplace_backward:
+        # A second backward through this graph fails on the saved tensors' version counters, which the in-place
+        # operator bumps: they now hold gradients.
+        torch.ops.playbook.swiglu_backward_(gate, up, dy)
+        return gate, up, None
+    dgate, dup = torch.ops.playbook.swiglu_backward(gate, up, dy)
+    return dgate, dup, None
+
+
+_swiglu_op.register_autograd(_swiglu_op_backward, setup_context=_swiglu_setup_context)
+
+
 def swiglu(gate, up, inplace_backward=False):
-    """silu(gate) * up with transformers' LlamaMLP cast order, differentiable. gate, up: [..., intermediate] of the
-    same shape, dtype (float32/bfloat16/float16) and device; rows may be strided (e.g. halves of a fused gate_up
-    projection). Returns a new contiguous tensor of gate's shape and dtype.
+    """silu(gate) * up with transformers' LlamaMLP cast order, differentiable, and traced by torch.compile as the
+    operator torch.ops.playbook.swiglu. gate, up: [..., intermediate] of the same shape, dtype
+    (float32/bfloat16/float16) and device; rows may be strided (e.g. halves of a fused gate_up projection). Returns a
+    new contiguous tensor of gate's shape and dtype.
 
     inplace_backward=True lets the backward write the gradients over gate and up (contiguous ones): two
     [tokens, intermediate] buffers less at the start of each MLP's backward. Contract: gate and up are not used after
-    the backward (true of the projections' outputs inside an MLP), and the graph is not backpropagated twice."""
+    the backward (true of the projections' outputs inside an MLP), and the graph is not backpropagated twice. Under
+    torch.compile the compiler enforces the first part itself (see the custom operators above)."""
+    # Eager calls take the autograd.Function, whose dispatch costs tens of microseconds less host time per call than a
+    # custom operator's (see rms_norm in rmsnorm_kernel.py); under torch.compile only the operator can be traced.
+    if torch.compiler.is_compiling():
+        return torch.ops.playbook.swiglu(gate, up, inplace_backward)
     return SwiGLUFunction.apply(gate, up, inplace_backward)
 
 
