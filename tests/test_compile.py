@@ -2,8 +2,8 @@
 
 - Each functional API (rms_norm, add_rms_norm, swiglu, apply_rotary_pos_emb, cross_entropy, linear_cross_entropy)
   compiled with fullgraph=True gives the eager path's outputs and gradients, bit for bit: both run the same kernels on
-  the same inputs, and fullgraph=True fails on any graph break, so the operator really is what ran. Random weights, fresh
-  random inputs and upstream gradients, sizes that are not powers of two, and cross-entropy rows with ignore_index
+  the same inputs, and fullgraph=True fails on any graph break, so the operator really is what ran. Random weights,
+  fresh random inputs and upstream gradients, sizes that are not powers of two, and cross-entropy rows with ignore_index
   -100; the losses are also checked against F.cross_entropy in float64, so a compiled loss cannot be wrong the same
   way as an eager one.
 - backend="aot_eager" keeps this fast on the CPU: it still traces with fake tensors (register_fake), builds the forward
@@ -263,8 +263,8 @@ def test_bad_input_under_compile_names_the_problem():
 # ----------------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def patched_tiny_llama():
-    """The tiny LLaMA as finetune_optimized.py runs it: fused RMSNorm (with the residual add), SwiGLU MLP and RoPE (the RoPE patch is
-    process-wide: restored after the test)."""
+    """The tiny LLaMA as finetune_optimized.py runs it: fused RMSNorm (with the residual add), SwiGLU MLP and RoPE
+    (the RoPE patch is process-wide: restored after the test)."""
     torch.manual_seed(10)
     model = finetune_optimized.LlamaForCausalLM._from_config(finetune_optimized.tiny_llama_config(),
                                                              dtype=torch.float32, attn_implementation="sdpa")
