@@ -10,6 +10,3 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # test files irrelevant.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# torch.compile's inductor compiles in a pool of worker subprocesses, which must shut down before a pytest-xdist worker
-# can exit; the tests compile only small graphs, so one in-process compile thread is enough and leaves no pool.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -1854,23 +1854,14 @@ def _cross_entropy_smem_kernel(
         if HAS_Z_LOSS:
             gl.store(z_losses_ptr + row, gl.where(valid, lse_square_scale * lse * lse, 0.0))
         if TRACK_ARGMAX:
-            # The argmax lane's logits, taken before pass 2 and used at the end of the row (see the row kernel). A
-            # kept chunk is still in its shared-memory slot (pass 2 refills it later) and the partial chunk is in
-            # registers; only a streamed chunk is read again from global memory. The layout is explicit: the thread
-            # that reads a lane is the one that overwrites it in pass 2, so program order keeps the read first.
+            # Read before pass 2 overwrites it in place, used at the end of the row (see the row kernel). Here the
+            # layout is explicit: the thread that reads a lane is the one that overwrites it in pass 2, so program
+            # order alone keeps the read first, with no barrier.
             argmax_start = _argmax_start(lane_max, lane_chunk, row_max, gl.arange(0, N_LANES, layout=lanes), V,
                                          BLOCK_V, LANE_WIDTH)
-            argmax_chunk = argmax_start // BLOCK_V
-            argmax_columns = argmax_chunk * BLOCK_V + chunk_offsets
-            in_argmax_lane = _in_lane(argmax_columns, argmax_start, V, LANE_WIDTH)
-            if valid & (argmax_chunk >= K) & (argmax_chunk < N):
-                x_argmax = kept.index(argmax_chunk - K).load(tile).to(tl.float32)
-            elif argmax_chunk == N:
-                x_argmax = x_partial
-            else:
-                x_argmax = gl.load(logits_row + argmax_columns, mask=in_argmax_lane & valid,
-                                   other=float("-inf")).to(tl.float32)
-            x_argmax = gl.where(in_argmax_lane, x_argmax, float("-inf"))
+            argmax_columns = (argmax_start // BLOCK_V) * BLOCK_V + chunk_offsets
+            x_argmax = gl.load(logits_row + argmax_columns,
+                               mask=_in_lane(argmax_columns, argmax_start, V, LANE_WIDTH) & valid, other=float("-inf"))
 
         # ---- pass 2: gradient (zeros for an ignored row) ----
         row_scale = gl.load(scale_ptr + row * scale_stride).to(tl.float32)
@@ -1907,8 +1898,8 @@ def _cross_entropy_smem_kernel(
         gl.store(grad_row + target, _round_to(target_grad, grad_ptr.dtype.element_ty), mask=target_ok & valid)
         if TRACK_ARGMAX:
             if valid:
-                _store_argmax(x_argmax, argmax_columns, argmax_start, predicted_ptr + row, V, softcap, HAS_SOFTCAP,
-                              FAST_EXP2, FAST_TANH)
+                _store_argmax(x_argmax.to(tl.float32), argmax_columns, argmax_start, predicted_ptr + row, V, softcap,
+                              HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
             else:
                 gl.store(predicted_ptr + row, -1)
         ring_base = (ring_base + 2 * K) % Q

@@ -62,7 +62,8 @@ def parity_runs(tmp_path_factory):
         "baseline": run_script("finetune_baseline.py", tmp_path, "baseline", *flags),
         # 8-row chunks: the 32 tokens go through the linear cross-entropy in 4 chunks, as a long sequence would
         "linear_ce": run_script("finetune_optimized.py", tmp_path, "linear_ce", *flags, "--lce-chunk-size", "8"),
-        "ce": run_script("finetune_optimized.py", tmp_path, "ce", *flags, "--loss", "ce"),
+        # the fused residual add too (off by default), so that parity covers it
+        "ce": run_script("finetune_optimized.py", tmp_path, "ce", *flags, "--loss", "ce", "--fused-add-rmsnorm"),
     }
 
 
@@ -79,10 +80,11 @@ def test_json_contents(parity_runs):
 
 def test_replacement_counts(parity_runs):
     assert parity_runs["baseline"][0]["replaced"] == {}
-    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 layers' residual add + RMSNorm fused, 2 MLPs, 2 attention layers
-    # calling the patched RoPE
-    assert parity_runs["linear_ce"][0]["replaced"] == {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu_mlp": 2,
-                                                       "rope_attention": 2}
+    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 MLPs, 2 attention layers calling the patched RoPE; with
+    # --fused-add-rmsnorm also 2 layers' residual add + RMSNorm fused
+    assert parity_runs["linear_ce"][0]["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2, "rope_attention": 2}
+    assert parity_runs["ce"][0]["replaced"] == {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu_mlp": 2,
+                                                "rope_attention": 2}
     assert parity_runs["ce"][0]["variant"] == "rmsnorm+ce+swiglu+rope+fused_add_rmsnorm"
 
 
@@ -94,9 +96,9 @@ def test_loss_parity(parity_runs, variant):
     assert optimized == pytest.approx(baseline, rel=2e-5)
 
 
-def test_no_swiglu_no_rope_no_fused_add_and_synthetic_default(tmp_path):
+def test_no_swiglu_no_rope_and_synthetic_default(tmp_path):
     result, _ = run_script("finetune_optimized.py", tmp_path, "noswiglu", "--steps", "2", "--seq-len", "16",
-                           "--no-swiglu", "--no-rope", "--no-fused-add-rmsnorm", "--optimizer", "adamw_fused")
+                           "--no-swiglu", "--no-rope", "--optimizer", "adamw_fused")
     assert result["replaced"] == {"rmsnorm": 5} and result["options"]["data"] == "synthetic"
     assert result["variant"] == "rmsnorm+linear_ce" and result["options"]["rope"] is False
     assert result["options"]["fused_add_rmsnorm"] is False
