@@ -285,14 +285,18 @@ def _backward_config(n_cols):
     return block_rows, block_cols, num_warps, 3
 
 
-def rmsnorm_forward(x, weight, eps):
-    """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row."""
-    _validate(x, weight, eps)
-    x_rows = _as_rows(x)
+def _launch_forward(x_rows, weight, eps, residual_rows=None):
+    """Allocate the outputs and launch the forward kernel on [rows, H] views. Returns (y, s, rstd); s, the sum
+    x + residual, only with residual_rows (add_rmsnorm_forward), else None."""
     n_rows, n_cols = x_rows.shape
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)  # what `weight * normed` gives in LlamaRMSNorm
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    out_dtype = torch.promote_types(weight.dtype, x_rows.dtype)  # what `weight * normed` gives in LlamaRMSNorm
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x_rows.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x_rows.device)
+    s, residual_args = None, {}
+    if residual_rows is not None:
+        s = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
+        residual_args = dict(residual_ptr=residual_rows, s_ptr=s, residual_row_stride=residual_rows.stride(0),
+                             s_row_stride=s.stride(0), HAS_RESIDUAL=True)
     if n_rows > 0:
         block_rows, block_cols, num_warps = _forward_config(n_cols)
         # The grid: one program per block of rows.
@@ -300,13 +304,21 @@ def rmsnorm_forward(x, weight, eps):
             x_rows, weight, y, rstd,
             x_rows.stride(0), y.stride(0),
             n_rows, n_cols, eps,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps, **residual_args,
         )
+    return y, s, rstd
+
+
+def rmsnorm_forward(x, weight, eps):
+    """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row."""
+    _validate(x, weight, eps)
+    y, _, rstd = _launch_forward(_as_rows(x), weight, eps)
     return y.view(x.shape), rstd
 
 
-def rmsnorm_backward(dy, x, weight, rstd):
-    """Launch the backward kernel. Returns (dx, dw)."""
+def rmsnorm_backward(dy, x, weight, rstd, ds=None):
+    """Launch the backward kernel. Returns (dx, dw). ds (add_rmsnorm_backward): the gradient that reaches x = s from
+    the rest of the residual stream, added into dx by the same kernel."""
     if dy.shape != x.shape:
         raise ValueError(f"rmsnorm_backward: dy of shape {tuple(dy.shape)} does not match x of shape {tuple(x.shape)}")
     x_rows = _as_rows(x)
@@ -325,11 +337,15 @@ def rmsnorm_backward(dy, x, weight, rstd):
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
         n_programs = min(n_row_blocks, sm_count)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    residual_args = {}
+    if ds is not None:
+        ds_rows = _as_rows(ds)
+        residual_args = dict(ds_ptr=ds_rows, ds_row_stride=ds_rows.stride(0), HAS_RESIDUAL=True)
     _rmsnorm_backward_kernel[(n_programs,)](
         dy_rows, x_rows, weight, rstd, dx, dw_partial,
         dy_rows.stride(0), x_rows.stride(0), dx.stride(0),
         n_rows, n_cols,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps, **residual_args,
     )
     # A [n_programs, H] fp32 sum: a few MB at most, and deterministic.
     dw = dw_partial.sum(dim=0).to(weight.dtype)
@@ -355,21 +371,7 @@ def add_rmsnorm_forward(x, residual, weight, eps):
     """Launch the forward kernel with the residual add. Returns (y, s, rstd): y = RMSNorm of s = x + residual, both
     shaped like x, and rstd one fp32 per row."""
     _validate_add(x, residual, weight, eps)
-    x_rows, residual_rows = _as_rows(x), _as_rows(residual)
-    n_rows, n_cols = x_rows.shape
-    y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows > 0:
-        block_rows, block_cols, num_warps = _forward_config(n_cols)
-        _rmsnorm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x_rows, weight, y, rstd,
-            x_rows.stride(0), y.stride(0),
-            n_rows, n_cols, eps,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
-            residual_ptr=residual_rows, s_ptr=s, residual_row_stride=residual_rows.stride(0), s_row_stride=s.stride(0),
-            HAS_RESIDUAL=True,
-        )
+    y, s, rstd = _launch_forward(_as_rows(x), weight, eps, residual_rows=_as_rows(residual))
     return y.view(x.shape), s.view(x.shape), rstd
 
 
@@ -380,27 +382,7 @@ def add_rmsnorm_backward(dy, ds, s, weight, rstd):
         if grad.shape != s.shape:
             raise ValueError(f"add_rmsnorm_backward: {name} of shape {tuple(grad.shape)} does not match s of shape "
                              f"{tuple(s.shape)}")
-    s_rows, dy_rows, ds_rows = _as_rows(s), _as_rows(dy), _as_rows(ds)
-    n_rows, n_cols = s_rows.shape
-    dx = torch.empty((n_rows, n_cols), dtype=s.dtype, device=s.device)
-    if n_rows == 0:
-        return dx.view(s.shape), torch.zeros_like(weight)
-    block_rows, block_cols, num_warps, num_stages = _backward_config(n_cols)
-    n_row_blocks = triton.cdiv(n_rows, block_rows)
-    # As many persistent programs as rmsnorm_backward launches, for the same reasons.
-    if INTERPRETER:
-        n_programs = min(4, n_row_blocks)
-    else:
-        n_programs = min(n_row_blocks, torch.cuda.get_device_properties(s.device).multi_processor_count)
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=s.device)
-    _rmsnorm_backward_kernel[(n_programs,)](
-        dy_rows, s_rows, weight, rstd, dx, dw_partial,
-        dy_rows.stride(0), s_rows.stride(0), dx.stride(0),
-        n_rows, n_cols,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps,
-        ds_ptr=ds_rows, ds_row_stride=ds_rows.stride(0), HAS_RESIDUAL=True,
-    )
-    return dx.view(s.shape), dw_partial.sum(dim=0).to(weight.dtype)
+    return rmsnorm_backward(dy, s, weight, rstd, ds=ds)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
