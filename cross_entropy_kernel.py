@@ -42,12 +42,8 @@ targets outside [0, V) give NaN rows (check_targets=True raises instead); the ba
 place, so it runs once. Part 2's kernel runs only where it was verified (compute capability 9.x, Triton 3.6); every
 other GPU, and fp32 logits, take the row kernel.
 
-torch.compile
--------------
-The custom operators torch.ops.playbook.cross_entropy and linear_cross_entropy, extras included, with their backward
-operators scale_rows_ and linear_cross_entropy_backward (section 3, as in rmsnorm_kernel.py), let torch.compile trace
-both losses without a graph break. inplace_backward=True cannot be compiled (a clear error): there the gradient gets
-its own buffer.
+torch.compile traces both losses as custom operators (section 3, as in rmsnorm_kernel.py), extras included;
+inplace_backward=True cannot be compiled (a clear error).
 """
 import os
 import sys

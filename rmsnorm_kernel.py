@@ -40,11 +40,8 @@ A whole row lives in one program's registers: H <= MAX_HIDDEN_SIZE (65536; LLaMA
 fp16 with any leading dimensions, strided (non-contiguous) or empty; eps is a finite number >= 0. Without a GPU the
 same kernels run on Triton's CPU interpreter (slow: toy sizes).
 
-torch.compile
--------------
-Section 3 also registers the launchers as custom operators, torch.ops.playbook.rms_norm and rms_norm_backward, each
-with a fake implementation (output shapes without running) and the backward registered, so torch.compile traces a
-model that uses them without a graph break. Eager calls keep the autograd.Function, which costs less host time.
+torch.compile traces the kernels as custom operators (torch.ops.playbook.*, section 3); eager calls keep the
+autograd.Function, which costs less host time.
 """
 import math
 import os

@@ -37,10 +37,7 @@ broadcastable over batch and tokens; one dtype for all four (fp32, bf16, fp16), 
 last dimension that is not contiguous is copied. Offsets are int64. Without a GPU the same kernel runs on Triton's CPU
 interpreter (slow: toy sizes).
 
-torch.compile
--------------
-The custom operators torch.ops.playbook.rope and rope_backward (section 3, as in rmsnorm_kernel.py) let torch.compile
-trace LLaMA attention with the patched apply_rotary_pos_emb without a graph break.
+torch.compile traces the kernel as a custom operator (section 3, as in rmsnorm_kernel.py).
 """
 import contextlib
 import functools

@@ -33,10 +33,7 @@ gate and up: same shape, dtype (fp32, bf16, fp16) and device, at least one dimen
 may be strided, a last dimension that is not contiguous is copied. Offsets are int64 (tensors may exceed 2**31
 elements). Without a GPU the same kernels run on Triton's CPU interpreter (slow: toy sizes).
 
-torch.compile
--------------
-The custom operators torch.ops.playbook.swiglu, swiglu_backward and the in-place swiglu_backward_ (section 3, as in
-rmsnorm_kernel.py) let torch.compile trace TritonLlamaMLP, in-place backward included, without a graph break.
+torch.compile traces the kernels as custom operators (section 3, as in rmsnorm_kernel.py), in-place backward included.
 """
 import contextlib
 import os
