@@ -514,8 +514,8 @@ def _store_argmax(x, columns, argmax_start, predicted_row_ptr, V, softcap, HAS_S
                   FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
     """Store the row's argmax: x is a chunk's tile holding only the argmax lane's logits (-inf elsewhere), columns
     their column indices. The lane's first largest column is found inside the thread that holds the lane (a lane
-    never spans threads) and stored by that thread alone: no shuffle, no barrier. A row without a maximal lane (NaN
-    logits) stores a column >= V."""
+    never spans threads) and stored by that thread alone: no shuffle, no barrier. (Rows with NaN logits are left
+    undefined by the public API: Triton's max skips NaN, unlike torch.argmax.)"""
     if HAS_SOFTCAP:  # the argmax of the capped logits: capping can tie values that differ
         x = tl.where(columns < V, _softcap(x, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
     lane_top = tl.max(x, axis=1)
