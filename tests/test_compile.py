@@ -30,6 +30,7 @@ from cross_entropy_kernel import cross_entropy, linear_cross_entropy  # noqa: E4
 from rmsnorm_kernel import add_rms_norm, rms_norm  # noqa: E402
 from rope_kernel import apply_rotary_pos_emb  # noqa: E402
 from swiglu_kernel import swiglu  # noqa: E402
+from test_long_context import tiny_model  # noqa: E402  (the tiny LLaMA with the kernels patched in, as here)
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -265,19 +266,7 @@ def test_bad_input_under_compile_names_the_problem():
 def patched_tiny_llama():
     """The tiny LLaMA as finetune_optimized.py runs it: fused RMSNorm (with the residual add), SwiGLU MLP and RoPE
     (the RoPE patch is process-wide: restored after the test)."""
-    torch.manual_seed(10)
-    model = finetune_optimized.LlamaForCausalLM._from_config(finetune_optimized.tiny_llama_config(),
-                                                             dtype=torch.float32, attn_implementation="sdpa")
-    with torch.no_grad():  # norm weights that are not all ones, so their gradients are exercised
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.config.use_cache = False
-    model.train()
-    model.to(DEVICE)
-    finetune_optimized.replace_rmsnorm(model, expected=5)
-    finetune_optimized.fuse_residual_rmsnorm(model, expected=2)
-    finetune_optimized.replace_llama_mlp(model, expected=2)
+    model = tiny_model(finetune_optimized, seed=10)
     original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
     yield model
     modeling_llama.apply_rotary_pos_emb = original_rope
