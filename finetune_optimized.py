@@ -97,8 +97,9 @@ def build_parser():
                         help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
-    parser.add_argument("--optimizer", choices=["adamw_foreach", "adamw_fused"], default="adamw_foreach",
-                        help="torch AdamW, multi-tensor (foreach) or single fused kernel")
+    parser.add_argument("--optimizer", choices=["adamw_foreach", "adamw_fused"], default="adamw_fused",
+                        help="torch AdamW: one fused kernel (the default, as in every comparison in the README) or "
+                             "multi-tensor (foreach)")
     parser.add_argument("--data", default="synthetic",
                         help='"synthetic" (random tokens), a save_to_disk folder, a local .txt/.json/.jsonl/.parquet/'
                              '.csv file, or a Hub data set name')

@@ -338,5 +338,5 @@ def test_compile_mode_is_in_the_default_json_name():
                                                          "--compile-mode", "reduce-overhead"])
     name = finetune_optimized.default_out_path(args, "random", "float32", "rmsnorm+linear_ce+swiglu+rope+compile",
                                                1).name
-    assert name == ("finetune_optimized_tiny-random_rmsnorm+linear_ce+swiglu+rope+compile_synthetic_adamw_foreach_"
+    assert name == ("finetune_optimized_tiny-random_rmsnorm+linear_ce+swiglu+rope+compile_synthetic_adamw_fused_"
                     "float32_1x32_compile-mode=reduce-overhead.json")

@@ -292,14 +292,14 @@ def default_name(module, *flags, weights="random", variant="baseline", world_siz
 
 def test_default_json_names_tell_runs_apart(monkeypatch):
     assert (default_name(finetune_baseline)
-            == "finetune_baseline_tiny-random_baseline_synthetic_adamw_foreach_float32_1x32.json")
+            == "finetune_baseline_tiny-random_baseline_synthetic_adamw_fused_float32_1x32.json")
     assert (default_name(finetune_optimized, "--data", "/data/wiki.jsonl", "--lce-chunk-size", "256",
                          variant="rmsnorm+linear_ce+swiglu+rope")
-            == "finetune_optimized_tiny-random_rmsnorm+linear_ce+swiglu+rope_wiki.jsonl_adamw_foreach_float32_1x32"
+            == "finetune_optimized_tiny-random_rmsnorm+linear_ce+swiglu+rope_wiki.jsonl_adamw_fused_float32_1x32"
                "_lce-chunk-size=256.json")
     monkeypatch.setenv("WORLD_SIZE", "2")
     runs = [(), ("--data", "a.jsonl"), ("--data", "b.parquet"), ("--data", "org/corpus"), ("--data", "b.parquet",
-            "--text-field", "body"), ("--optimizer", "adamw_fused"), ("--batch-size", "2"), ("--seq-len", "64"),
+            "--text-field", "body"), ("--optimizer", "adamw_foreach"), ("--batch-size", "2"), ("--seq-len", "64"),
             ("--lr", "1e-3"), ("--steps", "5"), ("--seed", "1"), ("--attn-implementation", "eager"),
             ("--seq-len-search", "8,16"), ("--fsdp",)]  # the dtype is in the name as the run resolves it
     names = [default_name(finetune_baseline, *flags) for flags in runs]
