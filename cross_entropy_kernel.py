@@ -138,11 +138,28 @@ def _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
-def _merge_lanes(lane_max, lane_sum, FAST_EXP2: tl.constexpr):
-    """Combine the lanes once per row, by the same rule: the row max, and every lane's sum rescaled to it."""
+def _merge_lanes(lane_max, lane_sum, FAST_EXP2: tl.constexpr, lane_start=None, past_end=None,
+                 TRACK_ARGMAX: tl.constexpr = False):
+    """Combine the lanes once per row, by the same rule: the row max, and every lane's sum rescaled to it.
+    Returns (row_max, row_sum, argmax_start). Extra, TRACK_ARGMAX: argmax_start is the lowest lane_start (a lane's
+    first column) among the lanes whose max is the row's, i.e. the lane of the row's first maximal logit, or past_end
+    (a column >= V) if there is none (a NaN max); 0 otherwise. It is reduced together with the sum, in one tuple
+    reduction: across warps, each reduction is a round trip through shared memory between barriers."""
     row_max = tl.max(lane_max, axis=0)
-    row_sum = tl.sum(lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2), axis=0)
-    return row_max, row_sum
+    rescaled_sum = lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2)
+    if TRACK_ARGMAX:
+        row_sum, argmax_start = tl.reduce((rescaled_sum, tl.where(lane_max == row_max, lane_start, past_end)), 0,
+                                          _sum_and_min)
+    else:
+        row_sum = tl.sum(rescaled_sum, axis=0)
+        argmax_start = 0
+    return row_max, row_sum, argmax_start
+
+
+@triton.jit
+def _sum_and_min(sum_a, start_a, sum_b, start_b):
+    """_merge_lanes' combine function: the sums add up, the lane starts keep the lowest."""
+    return sum_a + sum_b, tl.minimum(start_a, start_b)
 
 
 @triton.jit
@@ -283,12 +300,13 @@ def _cross_entropy_kernel(
             if HAS_Z_LOSS:  # extra: the z-loss, kept apart from the loss (a mean divides them differently)
                 tl.store(z_losses_ptr + row, lse_square_scale * lse * lse)
             if TRACK_ARGMAX:
-                # Extra: the lane that holds the argmax (see _argmax_start), read now, before pass 2 can overwrite it
+                # Extra: the lane that holds the argmax (see _merge_lanes), read now, before pass 2 can overwrite it
                 # in place, and used at the end of the row, so that the read's latency hides behind pass 2. Triton
                 # chooses which thread holds which lane, so a barrier puts every thread's read before any store.
-                argmax_columns = (argmax_start // BLOCK_V) * BLOCK_V + chunk_offsets
-                x_argmax = tl.load(logits_row + argmax_columns, mask=_in_lane(argmax_columns, argmax_start, V,
-                                                                                LANE_WIDTH), other=float("-inf"))
+                argmax_columns, is_argmax_lane = _argmax_lane(argmax_start, tl.arange(0, N_LANES), chunk_offsets,
+                                                              BLOCK_V, LANE_WIDTH)
+                x_argmax = tl.load(logits_row + argmax_columns, mask=is_argmax_lane[:, None] & (argmax_columns < V),
+                                   other=float("-inf"))
                 if COMPUTE_GRAD:
                     tl.debug_barrier()
             # ---- pass 2: the gradient ----
@@ -302,8 +320,8 @@ def _cross_entropy_kernel(
                               HAS_SMOOTHING, POSITIVE_SCALE, FAST_EXP2, CHUNKS_PER_STEP, softmax_scale, target_scale,
                               weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH)
             if TRACK_ARGMAX:
-                _store_argmax(x_argmax.to(tl.float32), argmax_columns, argmax_start, predicted_ptr + row, V, softcap,
-                              HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
+                _store_argmax(x_argmax.to(tl.float32), argmax_columns, is_argmax_lane, predicted_ptr + row, V,
+                              softcap, HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
 
 
 @triton.jit
@@ -323,14 +341,13 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
     Returns (row_max, row_sum, sum_x_tile, x_partial, argmax_start); sum_x_tile holds sum(x) per element (label
     smoothing only), x_partial the row's last, partial chunk, which pass 2 reuses from registers (before the softcap:
     pass 2 applies it again), argmax_start (extra, else 0) the first of the LANE_WIDTH columns that hold the row's
-    argmax (see _argmax_start)."""
+    argmax (see _merge_lanes)."""
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
     lane_max = tl.full([N_LANES], float("-inf"), dtype=tl.float32)
     lane_sum = tl.zeros([N_LANES], dtype=tl.float32)  # sum of exp(x - lane_max) over the lane's columns
     # Label smoothing needs sum(x): kept per element and reduced once at the end, not once per chunk.
     sum_x_tile = tl.zeros([N_LANES, LANE_WIDTH], dtype=tl.float32)
-    if TRACK_ARGMAX:
-        lane_chunk = tl.zeros([N_LANES], dtype=tl.int32)  # extra: see _lane_argmax_update
+    lane_chunk = tl.zeros([N_LANES], dtype=tl.int32)  # extra: see _lane_argmax_update
     # loop_unroll_factor=2 puts the loads of two chunks in flight before either is used.
     for i in tl.range(0, n_full, loop_unroll_factor=CHUNKS_PER_STEP):
         # evict_last: keep the row in L2 for pass 2.
@@ -360,11 +377,9 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
             sum_x_tile += tl.where(partial_mask, x, 0.0) * tl.load(weight_ptr + partial_offsets)
         else:
             sum_x_tile += tl.where(partial_mask, x, 0.0)
-    row_max, row_sum = _merge_lanes(lane_max, lane_sum, FAST_EXP2)
-    argmax_start = 0
-    if TRACK_ARGMAX:
-        argmax_start = _argmax_start(lane_max, lane_chunk, row_max, tl.arange(0, N_LANES), (n_full + 1) * BLOCK_V,
-                                     BLOCK_V, LANE_WIDTH)
+    row_max, row_sum, argmax_start = _merge_lanes(lane_max, lane_sum, FAST_EXP2,
+                                                  lane_chunk * BLOCK_V + tl.arange(0, N_LANES) * LANE_WIDTH,
+                                                  (n_full + 1) * BLOCK_V, TRACK_ARGMAX)
     return row_max, row_sum, sum_x_tile, x_partial, argmax_start
 
 
@@ -483,9 +498,11 @@ def _gradient_scales(scale, label_smoothing, V, weight_target, weight_total, lse
 @triton.jit
 def _lane_argmax_update(x, chunk, lane_max, lane_chunk, IN_ORDER: tl.constexpr):
     """lane_chunk after chunk `chunk` of tile x, given the lanes' max before it; the compiler computes tl.max(x) once
-    for this and for the online-softmax update. IN_ORDER (the row kernel: chunks in increasing order, lane_chunk
-    starting at 0): a lane moves on only to a larger max. Part 2 visits chunks out of order and starts at _NO_CHUNK,
-    so an equal max moves a lane to a lower chunk as well."""
+    for this and for the online-softmax update. IN_ORDER (every chunk seen before has a lower index: the row
+    kernel's chunks, lane_chunk starting at 0, and Part 2's kept and partial chunks, which come after every streamed
+    chunk below them): a lane moves on only to a larger max. Part 2's streamed chunks come after higher kept chunks,
+    so there an equal max moves a lane to a lower chunk as well; its lanes start at _NO_CHUNK, and chunk 0, always
+    streamed, moves every lane still there (an equal max of -inf included)."""
     chunk_max = tl.max(x, axis=1)
     if IN_ORDER:
         better = chunk_max > lane_max
@@ -495,33 +512,28 @@ def _lane_argmax_update(x, chunk, lane_max, lane_chunk, IN_ORDER: tl.constexpr):
 
 
 @triton.jit
-def _argmax_start(lane_max, lane_chunk, row_max, lane_index, past_end, BLOCK_V: tl.constexpr,
-                  LANE_WIDTH: tl.constexpr):
-    """The first of the LANE_WIDTH columns that hold the row's first maximal logit, or past_end (a column >= V) if no
-    lane matches (a NaN max). lane_index = arange(0, N_LANES)."""
-    starts = lane_chunk * BLOCK_V + lane_index * LANE_WIDTH
-    return tl.min(tl.where(lane_max == row_max, starts, past_end), axis=0)
+def _argmax_lane(argmax_start, lane_index, chunk_offsets, BLOCK_V: tl.constexpr, LANE_WIDTH: tl.constexpr):
+    """(columns, is_argmax_lane): the columns of the chunk that holds column argmax_start, as a [N_LANES,
+    LANE_WIDTH] tile, and which lane starts at argmax_start ([N_LANES]; lane_index = arange(0, N_LANES)). A load
+    mask that is one value per lane lets the compiler read the lane with one 16-byte load; a mask that compares each
+    column with the lane's bounds takes one 2-byte load per column."""
+    chunk_start = (argmax_start // BLOCK_V) * BLOCK_V
+    return chunk_start + chunk_offsets, chunk_start + lane_index * LANE_WIDTH == argmax_start
 
 
 @triton.jit
-def _in_lane(columns, lane_start, V, LANE_WIDTH: tl.constexpr):
-    """Which of `columns` belong to the lane that starts at column lane_start (and exist: < V)."""
-    return (columns >= lane_start) & (columns < lane_start + LANE_WIDTH) & (columns < V)
-
-
-@triton.jit
-def _store_argmax(x, columns, argmax_start, predicted_row_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
+def _store_argmax(x, columns, is_argmax_lane, predicted_row_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                   FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
     """Store the row's argmax: x is a chunk's tile holding only the argmax lane's logits (-inf elsewhere), columns
-    their column indices. The lane's first largest column is found inside the thread that holds the lane (a lane
-    never spans threads) and stored by that thread alone: no shuffle, no barrier. (Rows with NaN logits are left
-    undefined by the public API: Triton's max skips NaN, unlike torch.argmax.)"""
+    their column indices, is_argmax_lane that lane (see _argmax_lane). The lane's first largest column is found
+    inside the thread that holds the lane (a lane never spans threads) and stored by that thread alone: no shuffle, no
+    barrier. (Rows with NaN logits are left undefined by the public API: Triton's max skips NaN, unlike
+    torch.argmax.)"""
     if HAS_SOFTCAP:  # the argmax of the capped logits: capping can tie values that differ
         x = tl.where(columns < V, _softcap(x, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
     lane_top = tl.max(x, axis=1)
     first = tl.min(tl.where(x == lane_top[:, None], columns, V), axis=1)
-    lane_start = tl.min(columns, axis=1)
-    tl.store(predicted_row_ptr + lane_start * 0, first, mask=lane_start == argmax_start)
+    tl.store(predicted_row_ptr + first * 0, first, mask=is_argmax_lane)
 
 
 @triton.jit
@@ -1682,7 +1694,7 @@ def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, 
             if HAS_SOFTCAP:
                 x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
             if TRACK_ARGMAX:
-                lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=False)
+                lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=True)
             lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
@@ -1773,8 +1785,8 @@ def _cross_entropy_smem_kernel(
     unswizzled: tl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a thread's 16 bytes stay contiguous
     kept = gl.allocate_shared_memory(logits_ptr.dtype.element_ty, [N - K, N_LANES, LANE_WIDTH], unswizzled)
     ring = gl.allocate_shared_memory(logits_ptr.dtype.element_ty, [Q, N_LANES, LANE_WIDTH], unswizzled)
-    lane_index = gl.arange(0, N_LANES, layout=lanes)[:, None]
-    chunk_offsets = lane_index * LANE_WIDTH + gl.arange(0, LANE_WIDTH, layout=columns)[None, :]
+    lane_index = gl.arange(0, N_LANES, layout=lanes)
+    chunk_offsets = lane_index[:, None] * LANE_WIDTH + gl.arange(0, LANE_WIDTH, layout=columns)[None, :]
     partial_offsets = N * BLOCK_V + chunk_offsets
     partial_mask = partial_offsets < V
     n_programs = gl.num_programs(0)
@@ -1821,7 +1833,7 @@ def _cross_entropy_smem_kernel(
         if HAS_SOFTCAP:  # extras as in _row_statistics
             x = gl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
         if TRACK_ARGMAX:
-            lane_chunk = _lane_argmax_update(x, N, lane_max, lane_chunk, IN_ORDER=False)
+            lane_chunk = _lane_argmax_update(x, N, lane_max, lane_chunk, IN_ORDER=True)
         lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
@@ -1834,7 +1846,8 @@ def _cross_entropy_smem_kernel(
             # that numpy does not warn about the -inf - (-inf) of the merge and of the gradient below.
             lane_max = gl.where(valid, lane_max, 0.0)
             lane_sum = gl.where(valid, lane_sum, 1.0)
-        row_max, row_sum = _merge_lanes(lane_max, lane_sum, FAST_EXP2)
+        row_max, row_sum, argmax_start = _merge_lanes(lane_max, lane_sum, FAST_EXP2,
+                                                      lane_chunk * BLOCK_V + lane_index * LANE_WIDTH, V, TRACK_ARGMAX)
         lse = row_max + gl.log(row_sum)
         logit_target = x_target
         weight_target = 1.0
@@ -1853,11 +1866,10 @@ def _cross_entropy_smem_kernel(
             # Read before pass 2 overwrites it in place, used at the end of the row (see the row kernel). Here the
             # layout is explicit: the thread that reads a lane is the one that overwrites it in pass 2, so program
             # order alone keeps the read first, with no barrier.
-            argmax_start = _argmax_start(lane_max, lane_chunk, row_max, gl.arange(0, N_LANES, layout=lanes), V,
-                                         BLOCK_V, LANE_WIDTH)
-            argmax_columns = (argmax_start // BLOCK_V) * BLOCK_V + chunk_offsets
+            argmax_columns, is_argmax_lane = _argmax_lane(argmax_start, lane_index, chunk_offsets, BLOCK_V,
+                                                          LANE_WIDTH)
             x_argmax = gl.load(logits_row + argmax_columns,
-                               mask=_in_lane(argmax_columns, argmax_start, V, LANE_WIDTH) & valid, other=float("-inf"))
+                               mask=is_argmax_lane[:, None] & (argmax_columns < V) & valid, other=float("-inf"))
 
         # ---- pass 2: gradient (zeros for an ignored row) ----
         row_scale = gl.load(scale_ptr + row * scale_stride).to(tl.float32)
@@ -1894,8 +1906,8 @@ def _cross_entropy_smem_kernel(
         gl.store(grad_row + target, _round_to(target_grad, grad_ptr.dtype.element_ty), mask=target_ok & valid)
         if TRACK_ARGMAX:
             if valid:
-                _store_argmax(x_argmax.to(tl.float32), argmax_columns, argmax_start, predicted_ptr + row, V, softcap,
-                              HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
+                _store_argmax(x_argmax.to(tl.float32), argmax_columns, is_argmax_lane, predicted_ptr + row, V,
+                              softcap, HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
             else:
                 gl.store(predicted_ptr + row, -1)
         ring_base = (ring_base + 2 * K) % Q
