@@ -267,62 +267,6 @@ register(KernelSpec(
 ))
 
 
-# --- Residual add + RMSNorm -------------------------------------------------------------------------------------------
-def add_rmsnorm_case(tokens, dims, dtype, gen):
-    hidden = dims["hidden"]
-    x = _randn(tokens, hidden, dtype=dtype, gen=gen).requires_grad_()
-    residual = _randn(tokens, hidden, dtype=dtype, gen=gen, scale=4.0).requires_grad_()  # larger than one update
-    weight = (1.0 + 0.1 * _randn(hidden, dtype=torch.float32, gen=gen)).to(dtype).requires_grad_()  # never all ones
-    dy, ds = _randn(tokens, hidden, dtype=dtype, gen=gen), _randn(tokens, hidden, dtype=dtype, gen=gen)
-    return Case([x, residual, weight], {"dx": 0, "dresidual": 1, "dw": 2}, (dy, ds), ("y", "s"),
-                {"tokens": tokens, "hidden": hidden})
-
-
-def add_rmsnorm_reference(case):
-    x, residual, weight = (a.detach().double().requires_grad_() for a in case.args)
-    s = x + residual
-    y = weight * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + RMSNORM_EPS))
-    torch.autograd.backward((y, s), tuple(d.double() for d in case.dy))
-    return {"y": y.detach(), "s": s.detach(), "dx": x.grad, "dresidual": residual.grad, "dw": weight.grad}
-
-
-def eager_add_rmsnorm(x, residual, weight):
-    """LlamaDecoderLayer's `residual + hidden_states`, then post_attention_layernorm (LlamaRMSNorm's math)."""
-    s = residual + x
-    return llama_rmsnorm_math(s, weight), s
-
-
-def _ours_add_rmsnorm():
-    from rmsnorm_kernel import add_rms_norm
-    return lambda x, residual, weight: add_rms_norm(x, residual, weight, RMSNORM_EPS)
-
-
-def _liger_add_rmsnorm():
-    from liger_kernel.ops import LigerFusedAddRMSNormFunction
-    # LigerFusedAddRMSNorm's defaults: offset 0, casting_mode="llama", in_place=False.
-    return lambda x, residual, weight: LigerFusedAddRMSNormFunction.apply(x, residual, weight, RMSNORM_EPS, 0.0,
-                                                                           "llama", False)
-
-
-register(KernelSpec(
-    name="add_rmsnorm",
-    tokens_gpu=(256, 512, 1024, 2048, 4096, 8192, 16384, 65536), tokens_cpu=(4, 8),
-    dims_gpu={"hidden": 4096}, dims_cpu={"hidden": 64},
-    make_case=add_rmsnorm_case, reference=add_rmsnorm_reference, rule_provider="eager",
-    providers=(
-        Provider("ours", _ours_add_rmsnorm, "add_rms_norm: the RMSNorm kernels with the residual add compiled in",
-                 ours=True),
-        Provider("eager", lambda: eager_add_rmsnorm, "residual + x, then transformers' LlamaRMSNorm math"),
-        Provider("torch_compile", lambda: _compiled(eager_add_rmsnorm), "torch.compile of the eager math"),
-        Provider("liger", _liger_add_rmsnorm, "LigerFusedAddRMSNormFunction, casting_mode='llama', in_place=False"),
-    ),
-    bytes={"fwd": Count("4*N*H*s", _per_row(4, "hidden")), "bwd": Count("4*N*H*s", _per_row(4, "hidden")),
-           "fwd+bwd": Count("8*N*H*s", _per_row(8, "hidden"))},
-    legend=("fwd reads x and residual, writes y and s = x + residual; bwd reads dy, ds and s, writes dx, which is "
-            "also dresidual (the weight and dw, H elements each, are left out)",),
-))
-
-
 # --- Cross-entropy ----------------------------------------------------------------------------------------------------
 def cross_entropy_case(tokens, dims, dtype, gen):
     vocab = dims["vocab"]

@@ -1,6 +1,6 @@
 """Full fine-tuning of LLaMA-3.1-8B with the fused Triton kernels plugged in: the OPTIMIZED run.
 
-The playbook's step 11, second half: finetune_baseline.py with five changes, each visible in
+The playbook's step 11, second half: finetune_baseline.py with four changes, each visible in
 `diff finetune_baseline.py finetune_optimized.py`:
   1. every LlamaRMSNorm becomes a TritonRMSNorm sharing the same weight (rmsnorm_kernel.py; 65 modules for 8B);
   2. every LlamaMLP's silu(gate) * up runs in one fused kernel, forward and backward (swiglu_kernel.py; --no-swiglu
@@ -9,10 +9,7 @@ The playbook's step 11, second half: finetune_baseline.py with five changes, eac
      (rope_kernel.py, by patching transformers' apply_rotary_pos_emb; --no-rope turns it off);
   4. the loss: by default the fused linear cross-entropy, fed the decoder's hidden states and lm_head's weight, so the
      [B*T, V] logits never exist (--loss linear_ce); --loss ce reproduces the playbook's exact configuration, the fused
-     cross-entropy on the lm_head logits (cross_entropy_kernel.py);
-  5. with --fused-add-rmsnorm, in every decoder layer, the residual add after attention and post_attention_layernorm
-     run as one kernel, forward and backward (rmsnorm_kernel.py's fuse_residual_rmsnorm). Off by default: it moves
-     fewer bytes, but a 1x8192 step on an H200 was no faster with it (README, step 11).
+     cross-entropy on the lm_head logits (cross_entropy_kernel.py).
 Everything else -- model, data, optimizer, timing, JSON -- is the baseline's, line for line, --compile included:
 torch.compile of the model with its loss, which traces the kernels as custom operators (torch.ops.playbook.*) and
 compiles everything around them.
@@ -62,7 +59,7 @@ from tqdm import tqdm  # noqa: E402
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from cross_entropy_kernel import cross_entropy, linear_cross_entropy
-from rmsnorm_kernel import fuse_residual_rmsnorm, replace_rmsnorm
+from rmsnorm_kernel import replace_rmsnorm
 from rope_kernel import patch_llama_rope
 from swiglu_kernel import replace_llama_mlp
 
@@ -165,9 +162,6 @@ def build_parser():
                         help="replace every LlamaMLP by one with the fused SwiGLU kernel")
     parser.add_argument("--rope", action=argparse.BooleanOptionalAction, default=True,
                         help="patch transformers' LLaMA apply_rotary_pos_emb with the fused RoPE kernel")
-    parser.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction, default=False,
-                        help="in every decoder layer, run the residual add after attention and "
-                             "post_attention_layernorm as one kernel")
     return parser
 
 
@@ -273,7 +267,7 @@ def run_info():
 # Options the default JSON name shows in its fixed parts or through the variant (finetune_baseline.py's peers,
 # finetune_optimized.py's kernels), and options that do not change what a run measures.
 NAMED_OPTIONS = {"model", "dtype", "data", "optimizer", "batch_size", "seq_len", "seq_len_search", "fsdp",
-                 "compile", "liger", "loss", "swiglu", "rope", "fused_add_rmsnorm"}
+                 "compile", "liger", "loss", "swiglu", "rope"}
 UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights"}
 
 
@@ -851,16 +845,12 @@ def main(argv=None):
     # --- what this script changes about the model: the fused kernels (counts checked: a no-op swap is an error) ------
     # two RMSNorms per decoder layer plus the final norm (65 for 8B), one MLP and one attention per layer
     replaced = {"rmsnorm": replace_rmsnorm(model, expected=2 * n_layers + 1)}
-    # after replace_rmsnorm, whose count (65) includes the post-attention norms that this turns into TritonAddRMSNorms
-    if args.fused_add_rmsnorm:
-        replaced["fused_add_rmsnorm"] = fuse_residual_rmsnorm(model, expected=n_layers)
     if args.swiglu:
         replaced["swiglu_mlp"] = replace_llama_mlp(model, expected=n_layers)
     if args.rope:
         patch_llama_rope(model, expected=n_layers)  # process-wide: LlamaAttention looks the function up at call time
         replaced["rope_attention"] = n_layers
     variant = "+".join(["rmsnorm", args.loss] + (["swiglu"] if args.swiglu else []) + (["rope"] if args.rope else [])
-                       + (["fused_add_rmsnorm"] if args.fused_add_rmsnorm else [])
                        + (["compile"] if args.compile else []))
     loss_impl = args.loss
 

@@ -7,16 +7,13 @@ and only then multiply by the weight (the output dtype is PyTorch's promotion of
     rstd = 1 / sqrt(mean(x.float() ** 2) + eps)    normed = (x.float() * rstd).to(x.dtype)    y = weight * normed
 Backward, with n = x.float() * rstd and g = dy * weight (the gradient reaching `normed`):
     dx = rstd * (g - n * mean(g * n))  per row;    dw = sum over all rows of dy * normed
-add_rms_norm adds a residual first, as a decoder layer does: s = x + residual (rounded to x's dtype and returned: the
-new residual stream), y = RMSNorm of s as above; backward: dx = dresidual = ds + (the dx above, taken at s).
 
 Bytes it must move
 ------------------
 Unfused, PyTorch runs pow, mean, add, rsqrt, mul, cast and mul as separate kernels, each a trip of a [rows, H] tensor
 through memory; at ~4 FLOPs per byte, memory traffic sets the time. Fused, the minimum is what remains: the forward
 reads x and writes y (2 * rows * H elements), the backward reads x and dy and writes dx (3 * rows * H). The weight,
-one fp32 rstd per row and a few rows of fp32 partial sums for dw are small next to that. With the residual add: forward
-reads x, residual, writes s, y (4, against 3 + 2 apart); backward reads dy, ds, s, writes dx (4, against 3 + 3 apart).
+one fp32 rstd per row and a few rows of fp32 partial sums for dw are small next to that.
 
 Triton concepts introduced here
 -------------------------------
@@ -31,8 +28,6 @@ Triton concepts introduced here
 - num_warps: how many groups of 32 GPU threads run one program.
 - Persistent programs: the backward runs one program per multiprocessor, each looping over many row blocks with
   tl.range(..., num_stages=3), which loads the next block while the current one is computed.
-- A tl.constexpr switch (HAS_RESIDUAL) compiles the residual add into the same kernels or leaves it out: `if` on a
-  constexpr is decided at compile time, so the plain RMSNorm's machine code does not change.
 
 Limits
 ------
@@ -46,7 +41,6 @@ autograd.Function, which costs less host time.
 import math
 import os
 import sys
-import types
 
 import torch
 
@@ -87,8 +81,7 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 __all__ = ["MAX_HIDDEN_SIZE", "rmsnorm_forward", "rmsnorm_backward", "RMSNormFunction", "rms_norm", "TritonRMSNorm",
-           "replace_rmsnorm", "add_rmsnorm_forward", "add_rmsnorm_backward", "AddRMSNormFunction", "add_rms_norm",
-           "TritonAddRMSNorm", "fuse_residual_rmsnorm"]
+           "replace_rmsnorm"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -107,13 +100,6 @@ def _rmsnorm_forward_kernel(
     eps,            # added to the mean square before the square root
     BLOCK_ROWS: tl.constexpr,  # rows per program
     BLOCK_COLS: tl.constexpr,  # n_cols rounded up to a power of two (block shapes must be powers of two)
-    # The fused residual add (add_rms_norm), compiled in only when HAS_RESIDUAL is True: the plain RMSNorm leaves
-    # these at their defaults, and None arguments are compile-time constants that vanish from its machine code.
-    residual_ptr=None,        # [n_rows, n_cols] residual stream, x's dtype
-    s_ptr=None,               # output [n_rows, n_cols]: s = x + residual, x's dtype, the new residual stream
-    residual_row_stride=None,
-    s_row_stride=None,
-    HAS_RESIDUAL: tl.constexpr = False,
 ):
     # Program p normalizes rows p * BLOCK_ROWS ... p * BLOCK_ROWS + BLOCK_ROWS - 1, each row whole.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -126,14 +112,7 @@ def _rmsnorm_forward_kernel(
 
     # A [BLOCK_ROWS, BLOCK_COLS] block of pointers. Masked-off elements load as 0, so they add nothing to the sum of
     # squares. The math runs in fp32 whatever the input dtype.
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        # s = x + residual, rounded to x's dtype as PyTorch's `residual + hidden_states` is, stored once as the new
-        # residual stream. The norm goes on from that rounded s, as LlamaRMSNorm would after reading it back.
-        residual = tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask, other=0.0)
-        x = _round_to(x.to(tl.float32) + residual.to(tl.float32), x_ptr.dtype.element_ty)
-        tl.store(s_ptr + rows[:, None] * s_row_stride + cols[None, :], x, mask=mask)
-    x = x.to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # Divide by the true hidden size, not BLOCK_COLS.
     mean_square = tl.sum(x * x, axis=1) / n_cols
     rstd = tl.rsqrt(mean_square + eps)
@@ -168,11 +147,6 @@ def _rmsnorm_backward_kernel(
     BLOCK_ROWS: tl.constexpr,  # rows per loop step
     BLOCK_COLS: tl.constexpr,  # n_cols rounded up to a power of two
     NUM_STAGES: tl.constexpr,  # row blocks in flight: loads of the next ones overlap the math on this one
-    # The fused residual add, compiled in only when HAS_RESIDUAL is True (see the forward kernel). x_ptr then holds
-    # s = x + residual, the forward's sum, and dx is the gradient of both x and residual.
-    ds_ptr=None,              # [n_rows, n_cols] the gradient flowing into s from the rest of the residual stream
-    ds_row_stride=None,
-    HAS_RESIDUAL: tl.constexpr = False,
 ):
     # Program p handles row blocks p, p + P, p + 2P, ... (P programs in the grid).
     program = tl.program_id(0)
@@ -204,10 +178,6 @@ def _rmsnorm_backward_kernel(
         dnormed = dy * weight[None, :]
         mean_dnormed_normed = tl.sum(dnormed * normed, axis=1) / n_cols
         dx = (dnormed - normed * mean_dnormed_normed[:, None]) * rstd[:, None]
-        if HAS_RESIDUAL:
-            # s feeds both the norm and the rest of the residual stream: its gradient is the sum of the two, and the
-            # add passes it unchanged to x and to residual. Summed here in fp32, rounded once.
-            dx += tl.load(ds_ptr + rows[:, None] * ds_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], _round_to(dx, dx_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -231,25 +201,25 @@ def _check_eps(who, eps):
         raise ValueError(f"{who}: eps must be a finite number >= 0 (LLaMA uses 1e-5), got {eps}")
 
 
-def _validate(x, weight, eps, who="rms_norm"):
+def _validate(x, weight, eps):
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{who}: x and weight must be torch.Tensors")
+        raise TypeError("rms_norm: x and weight must be torch.Tensors")
     if not x.is_floating_point() or not weight.is_floating_point():
-        raise TypeError(f"{who}: x and weight must be floating point, got x {x.dtype} and weight {weight.dtype}")
+        raise TypeError(f"rms_norm: x and weight must be floating point, got x {x.dtype} and weight {weight.dtype}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{who}: x must be float32, bfloat16 or float16, got {x.dtype}")
-    _check_eps(who, eps)
+        raise TypeError(f"rms_norm: x must be float32, bfloat16 or float16, got {x.dtype}")
+    _check_eps("rms_norm", eps)
     if x.dim() == 0:
-        raise ValueError(f"{who}: x must have at least one dimension (the hidden size)")
+        raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"{who}: weight of shape {tuple(weight.shape)} does not match the last dimension of x "
+        raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match the last dimension of x "
                          f"({x.shape[-1]}); expected a weight of shape ({x.shape[-1]},)")
     if x.shape[-1] > MAX_HIDDEN_SIZE:
-        raise ValueError(f"{who}: hidden size {x.shape[-1]} is above the maximum of {MAX_HIDDEN_SIZE} "
+        raise ValueError(f"rms_norm: hidden size {x.shape[-1]} is above the maximum of {MAX_HIDDEN_SIZE} "
                          f"(a whole row must fit in one program's registers)")
     if x.device != weight.device:
-        raise ValueError(f"{who}: x is on {x.device} but weight is on {weight.device}")
-    _check_device(who, "x", x)
+        raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
+    _check_device("rms_norm", "x", x)
 
 
 def _as_rows(t):
@@ -282,18 +252,14 @@ def _backward_config(n_cols):
     return block_rows, block_cols, num_warps, 3
 
 
-def _launch_forward(x_rows, weight, eps, residual_rows=None):
-    """Allocate the outputs and launch the forward kernel on [rows, H] views. Returns (y, s, rstd); s, the sum
-    x + residual, only with residual_rows (add_rmsnorm_forward), else None."""
+def rmsnorm_forward(x, weight, eps):
+    """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row."""
+    _validate(x, weight, eps)
+    x_rows = _as_rows(x)
     n_rows, n_cols = x_rows.shape
-    out_dtype = torch.promote_types(weight.dtype, x_rows.dtype)  # what `weight * normed` gives in LlamaRMSNorm
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x_rows.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x_rows.device)
-    s, residual_args = None, {}
-    if residual_rows is not None:
-        s = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
-        residual_args = dict(residual_ptr=residual_rows, s_ptr=s, residual_row_stride=residual_rows.stride(0),
-                             s_row_stride=s.stride(0), HAS_RESIDUAL=True)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)  # what `weight * normed` gives in LlamaRMSNorm
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0:
         block_rows, block_cols, num_warps = _forward_config(n_cols)
         # The grid: one program per block of rows.
@@ -301,21 +267,13 @@ def _launch_forward(x_rows, weight, eps, residual_rows=None):
             x_rows, weight, y, rstd,
             x_rows.stride(0), y.stride(0),
             n_rows, n_cols, eps,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps, **residual_args,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
         )
-    return y, s, rstd
-
-
-def rmsnorm_forward(x, weight, eps):
-    """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row."""
-    _validate(x, weight, eps)
-    y, _, rstd = _launch_forward(_as_rows(x), weight, eps)
     return y.view(x.shape), rstd
 
 
-def rmsnorm_backward(dy, x, weight, rstd, ds=None):
-    """Launch the backward kernel. Returns (dx, dw). ds (add_rmsnorm_backward): the gradient that reaches x = s from
-    the rest of the residual stream, added into dx by the same kernel."""
+def rmsnorm_backward(dy, x, weight, rstd):
+    """Launch the backward kernel. Returns (dx, dw)."""
     if dy.shape != x.shape:
         raise ValueError(f"rmsnorm_backward: dy of shape {tuple(dy.shape)} does not match x of shape {tuple(x.shape)}")
     x_rows = _as_rows(x)
@@ -334,52 +292,15 @@ def rmsnorm_backward(dy, x, weight, rstd, ds=None):
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
         n_programs = min(n_row_blocks, sm_count)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
-    residual_args = {}
-    if ds is not None:
-        ds_rows = _as_rows(ds)
-        residual_args = dict(ds_ptr=ds_rows, ds_row_stride=ds_rows.stride(0), HAS_RESIDUAL=True)
     _rmsnorm_backward_kernel[(n_programs,)](
         dy_rows, x_rows, weight, rstd, dx, dw_partial,
         dy_rows.stride(0), x_rows.stride(0), dx.stride(0),
         n_rows, n_cols,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps, **residual_args,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     # A [n_programs, H] fp32 sum: a few MB at most, and deterministic.
     dw = dw_partial.sum(dim=0).to(weight.dtype)
     return dx.view(x.shape), dw
-
-
-def _validate_add(x, residual, weight, eps):
-    """add_rms_norm's checks: rms_norm's for x, weight and eps, then a residual shaped, typed and placed like x."""
-    _validate(x, weight, eps, who="add_rms_norm")
-    if not isinstance(residual, torch.Tensor):
-        raise TypeError(f"add_rms_norm: residual must be a torch.Tensor, got {type(residual).__name__}")
-    if residual.shape != x.shape:
-        raise ValueError(f"add_rms_norm: residual of shape {tuple(residual.shape)} does not match x of shape "
-                         f"{tuple(x.shape)}")
-    if residual.dtype != x.dtype:
-        raise TypeError(f"add_rms_norm: residual is {residual.dtype} but x is {x.dtype}; the sum is written in x's "
-                        f"dtype, so both must have it")
-    if residual.device != x.device:
-        raise ValueError(f"add_rms_norm: residual is on {residual.device} but x is on {x.device}")
-
-
-def add_rmsnorm_forward(x, residual, weight, eps):
-    """Launch the forward kernel with the residual add. Returns (y, s, rstd): y = RMSNorm of s = x + residual, both
-    shaped like x, and rstd one fp32 per row."""
-    _validate_add(x, residual, weight, eps)
-    y, s, rstd = _launch_forward(_as_rows(x), weight, eps, residual_rows=_as_rows(residual))
-    return y.view(x.shape), s.view(x.shape), rstd
-
-
-def add_rmsnorm_backward(dy, ds, s, weight, rstd):
-    """Launch the backward kernel with the residual add: dy is the gradient of y, ds that of s from the rest of the
-    residual stream. Returns (dx, dw); dx is the gradient of x and of residual alike."""
-    for name, grad in (("dy", dy), ("ds", ds)):
-        if grad.shape != s.shape:
-            raise ValueError(f"add_rmsnorm_backward: {name} of shape {tuple(grad.shape)} does not match s of shape "
-                             f"{tuple(s.shape)}")
-    return rmsnorm_backward(dy, s, weight, rstd, ds=ds)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -515,123 +436,6 @@ def replace_rmsnorm(model, expected=None):
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name, TritonRMSNorm.from_llama_rmsnorm(module))
-    return len(targets)
-
-
-class AddRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps):
-        y, s, rstd = add_rmsnorm_forward(x, residual, weight, eps)
-        # The sum s (one of the outputs) and rstd are all the backward needs: x and residual are not kept.
-        ctx.save_for_backward(s, weight, rstd)
-        return y, s
-
-    @staticmethod
-    def backward(ctx, dy, ds):
-        s, weight, rstd = ctx.saved_tensors
-        dx, dw = add_rmsnorm_backward(dy, ds, s, weight, rstd)
-        # s = x + residual hands the same gradient to both inputs.
-        return dx, dx, dw, None
-
-
-# The same as custom operators, for torch.compile (see _rms_norm_op).
-@torch.library.custom_op("playbook::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """add_rmsnorm_forward as an operator: (y, s, rstd)."""
-    return add_rmsnorm_forward(x, residual, weight, eps)
-
-
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
-    _validate_add(x, residual, weight, eps)
-    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return y, s, torch.empty(math.prod(x.shape[:-1]), dtype=torch.float32, device=x.device)
-
-
-@torch.library.custom_op("playbook::add_rms_norm_backward", mutates_args=())
-def _add_rms_norm_backward_op(dy: torch.Tensor, ds: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
-                              rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rmsnorm_backward as an operator: (dx, dw); dx is also the residual's gradient."""
-    return add_rmsnorm_backward(dy, ds, s, weight, rstd)
-
-
-@_add_rms_norm_backward_op.register_fake
-def _(dy, ds, s, weight, rstd):
-    return torch.empty(s.shape, dtype=s.dtype, device=s.device), torch.empty(weight.shape, dtype=weight.dtype,
-                                                                              device=weight.device)
-
-
-def _add_rms_norm_setup_context(ctx, inputs, output):
-    _, _, weight, _ = inputs
-    _, s, rstd = output
-    ctx.mark_non_differentiable(rstd)
-    ctx.save_for_backward(s, weight, rstd)  # what AddRMSNormFunction saves
-
-
-def _add_rms_norm_op_backward(ctx, dy, ds, _):  # rstd passes no gradient on
-    s, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.playbook.add_rms_norm_backward(dy, ds, s, weight, rstd)
-    return dx, dx, dw, None
-
-
-_add_rms_norm_op.register_autograd(_add_rms_norm_op_backward, setup_context=_add_rms_norm_setup_context)
-
-
-def add_rms_norm(x, residual, weight, eps=1e-6):
-    """(y, s): s = x + residual in x's dtype (the new residual stream) and y = RMSNorm of s, as LlamaRMSNorm computes
-    it, in one kernel (Liger-Kernel's LigerFusedAddRMSNorm); differentiable in x, residual and weight, and traced by
-    torch.compile as torch.ops.playbook.add_rms_norm (eager calls take the Function, as in rms_norm)."""
-    if torch.compiler.is_compiling():
-        y, s, _ = torch.ops.playbook.add_rms_norm(x, residual, weight, eps)
-        return y, s
-    return AddRMSNormFunction.apply(x, residual, weight, eps)
-
-
-class TritonAddRMSNorm(TritonRMSNorm):
-    """A TritonRMSNorm that also does the residual add before it: forward(hidden_states, residual) returns
-    (normed, hidden_states + residual). Being a TritonRMSNorm, replace_rmsnorm leaves it in place."""
-
-    def forward(self, hidden_states, residual):
-        return add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon)
-
-
-def _decoder_layer_forward_with_fused_add(self, hidden_states, **kwargs):
-    """transformers' LlamaDecoderLayer.forward with one change: the residual add after attention and
-    post_attention_layernorm run as one TritonAddRMSNorm call. LlamaModel passes everything but hidden_states by
-    keyword, and all of it goes to self_attn, as in the original."""
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)  # was: residual + attention out
-    hidden_states = self.mlp(hidden_states)
-    return residual + hidden_states
-
-
-def fuse_residual_rmsnorm(model, expected=None):
-    """Make every LlamaDecoderLayer of `model` run its attention's residual add and post_attention_layernorm as one
-    kernel (add_rms_norm); returns how many layers were patched (32 for Llama-3.1-8B).
-
-    Each layer's post_attention_layernorm becomes a TritonAddRMSNorm sharing its weight Parameter (from a LlamaRMSNorm
-    or a TritonRMSNorm: replace_rmsnorm may run before or after), and the layer gets its own `forward` attribute,
-    which nn.Module calls, also under transformers' gradient checkpointing. Layers already patched are skipped. With
-    `expected`, a different count raises ValueError before anything changes.
-
-    The add at the end of each layer (residual + MLP output) stays unfused: its norm is the NEXT layer's
-    input_layernorm (model.norm after the last layer), so fusing it would make each layer hand two tensors to the
-    next instead of one, doubling the layer input that gradient checkpointing keeps (and activation offload copies)."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    targets = [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)
-               and not isinstance(module.post_attention_layernorm, TritonAddRMSNorm)]
-    if expected is not None and len(targets) != expected:
-        raise ValueError(f"fuse_residual_rmsnorm: found {len(targets)} LlamaDecoderLayer modules to patch, expected "
-                         f"{expected}")
-    # Built before anything is installed: a layer whose norm is not LlamaRMSNorm-like raises with the model unchanged.
-    norms = [TritonAddRMSNorm.from_llama_rmsnorm(layer.post_attention_layernorm) for layer in targets]
-    for layer, norm in zip(targets, norms):
-        layer.post_attention_layernorm = norm
-        layer.forward = types.MethodType(_decoder_layer_forward_with_fused_add, layer)
     return len(targets)
 
 

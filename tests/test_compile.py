@@ -1,6 +1,6 @@
 """torch.compile around the kernels: their custom operators (torch.ops.playbook.*) against the eager path.
 
-- Each functional API (rms_norm, add_rms_norm, swiglu, apply_rotary_pos_emb, cross_entropy, linear_cross_entropy)
+- Each functional API (rms_norm, swiglu, apply_rotary_pos_emb, cross_entropy, linear_cross_entropy)
   compiled with fullgraph=True gives the eager path's outputs and gradients, bit for bit: both run the same kernels on
   the same inputs, and fullgraph=True fails on any graph break, so the operator really is what ran. Random weights,
   fresh random inputs and upstream gradients, sizes that are not powers of two, and cross-entropy rows with ignore_index
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
 from cross_entropy_kernel import cross_entropy, linear_cross_entropy  # noqa: E402
-from rmsnorm_kernel import add_rms_norm, rms_norm  # noqa: E402
+from rmsnorm_kernel import rms_norm  # noqa: E402
 from rope_kernel import apply_rotary_pos_emb  # noqa: E402
 from swiglu_kernel import swiglu  # noqa: E402
 from test_long_context import tiny_model  # noqa: E402  (the tiny LLaMA with the kernels patched in, as here)
@@ -79,15 +79,6 @@ def test_rms_norm():
         weight.add_(1.0)  # random, around 1 as a trained norm's
     dy = torch.randn(3, 5, 37, device=DEVICE)
     assert_compiled_matches_eager(lambda x, w: rms_norm(x, w, 1e-5), [x, weight], [dy])
-
-
-def test_add_rms_norm():
-    torch.manual_seed(11)
-    x, residual, weight = leaf(3, 5, 37), leaf(3, 5, 37), leaf(37)
-    with torch.no_grad():
-        weight.add_(1.0)
-    dy, ds = torch.randn(3, 5, 37, device=DEVICE), torch.randn(3, 5, 37, device=DEVICE)
-    assert_compiled_matches_eager(lambda x, r, w: add_rms_norm(x, r, w, 1e-5), [x, residual, weight], [dy, ds])
 
 
 @pytest.mark.parametrize("inplace_backward", [False, True])
@@ -203,8 +194,6 @@ def test_opcheck():
     ops = torch.ops.playbook
     x, weight = leaf(3, 37), leaf(37)
     y, rstd = ops.rms_norm(x.detach(), weight.detach(), 1e-5)
-    residual = leaf(3, 37)
-    _, s_sum, add_rstd = ops.add_rms_norm(x.detach(), residual.detach(), weight.detach(), 1e-5)
     gate, up, dy = leaf(3, 45), leaf(3, 45), torch.randn(3, 45, device=DEVICE)
     q, k = leaf(2, 4, 5, 10), leaf(2, 2, 5, 10)
     cos, sin = torch.randn(1, 5, 10, device=DEVICE), torch.randn(1, 5, 10, device=DEVICE)
@@ -216,9 +205,6 @@ def test_opcheck():
     cases = [
         (ops.rms_norm, (x, weight, 1e-5), True),
         (ops.rms_norm_backward, (torch.randn_like(y), x.detach(), weight.detach(), rstd), True),
-        (ops.add_rms_norm, (x, residual, weight, 1e-5), True),
-        (ops.add_rms_norm_backward, (torch.randn_like(y), torch.randn_like(y), s_sum, weight.detach(), add_rstd),
-         True),
         (ops.swiglu, (gate, up, False), True),
         (ops.swiglu_backward, (gate.detach(), up.detach(), dy), True),
         (ops.swiglu_backward_, (gate.detach().clone(), up.detach().clone(), dy), True),
@@ -264,8 +250,8 @@ def test_bad_input_under_compile_names_the_problem():
 # ----------------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def patched_tiny_llama():
-    """The tiny LLaMA as finetune_optimized.py runs it: fused RMSNorm (with the residual add), SwiGLU MLP and RoPE
-    (the RoPE patch is process-wide: restored after the test)."""
+    """The tiny LLaMA as finetune_optimized.py runs it: fused RMSNorm, SwiGLU MLP and RoPE (the RoPE patch is
+    process-wide: restored after the test)."""
     model = tiny_model(finetune_optimized, seed=10)
     original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
     yield model

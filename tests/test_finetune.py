@@ -62,8 +62,7 @@ def parity_runs(tmp_path_factory):
         "baseline": run_script("finetune_baseline.py", tmp_path, "baseline", *flags),
         # 8-row chunks: the 32 tokens go through the linear cross-entropy in 4 chunks, as a long sequence would
         "linear_ce": run_script("finetune_optimized.py", tmp_path, "linear_ce", *flags, "--lce-chunk-size", "8"),
-        # the fused residual add too (off by default), so that parity covers it
-        "ce": run_script("finetune_optimized.py", tmp_path, "ce", *flags, "--loss", "ce", "--fused-add-rmsnorm"),
+        "ce": run_script("finetune_optimized.py", tmp_path, "ce", *flags, "--loss", "ce"),
     }
 
 
@@ -80,12 +79,9 @@ def test_json_contents(parity_runs):
 
 def test_replacement_counts(parity_runs):
     assert parity_runs["baseline"][0]["replaced"] == {}
-    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 MLPs, 2 attention layers calling the patched RoPE; with
-    # --fused-add-rmsnorm also 2 layers' residual add + RMSNorm fused
+    # tiny LLaMA: 2 layers -> 2 * 2 + 1 RMSNorms, 2 MLPs, 2 attention layers calling the patched RoPE
     assert parity_runs["linear_ce"][0]["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2, "rope_attention": 2}
-    assert parity_runs["ce"][0]["replaced"] == {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu_mlp": 2,
-                                                "rope_attention": 2}
-    assert parity_runs["ce"][0]["variant"] == "rmsnorm+ce+swiglu+rope+fused_add_rmsnorm"
+    assert parity_runs["ce"][0]["variant"] == "rmsnorm+ce+swiglu+rope"
 
 
 @pytest.mark.parametrize("variant", ["linear_ce", "ce"])
@@ -101,7 +97,6 @@ def test_no_swiglu_no_rope_and_synthetic_default(tmp_path):
                            "--no-swiglu", "--no-rope", "--optimizer", "adamw_fused")
     assert result["replaced"] == {"rmsnorm": 5} and result["options"]["data"] == "synthetic"
     assert result["variant"] == "rmsnorm+linear_ce" and result["options"]["rope"] is False
-    assert result["options"]["fused_add_rmsnorm"] is False
 
 
 def tiny_model_with_random_norms(seed):
@@ -135,7 +130,6 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
 
     # In place, reusing the same parameters (as the script does); the RoPE patch is process-wide: restored after.
     assert finetune_optimized.replace_rmsnorm(model, expected=5) == 5
-    assert finetune_optimized.fuse_residual_rmsnorm(model, expected=2) == 2
     assert finetune_optimized.replace_llama_mlp(model, expected=2) == 2
     shift_labels = finetune_optimized.shift_labels_of(labels)
     original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
