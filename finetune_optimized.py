@@ -827,6 +827,18 @@ def init_distributed(args):
 # ----------------------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
+    """The script. A run too large for the GPU ends with one line that says what to change, not with a traceback
+    through transformers; nothing is written (the JSON comes only at the end)."""
+    try:
+        fine_tune(argv)
+    except torch.OutOfMemoryError as err:
+        torch_says = str(err).split(" Including")[0]  # "CUDA out of memory. Tried to allocate ... is free."
+        raise SystemExit(f"error: out of memory on the GPU ({torch_says}). Shorter sequences or batches (--seq-len, "
+                         f"--batch-size), --activation-checkpointing full, or --seq-len-search to find the longest "
+                         f"that fits") from None
+
+
+def fine_tune(argv=None):
     args = parse_args(argv)
     if args.plot:
         return plot_memory(args.plot, args.out)

@@ -346,3 +346,19 @@ def test_token_accuracy_is_the_argmax_hit_rate_of_the_counted_positions(loss_imp
         assert finetune_optimized.replace_rmsnorm(model, expected=5) == 5
         _, accuracy = finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl)
     assert accuracy.item() == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("module", [finetune_baseline, finetune_optimized], ids=lambda m: m.__name__)
+def test_out_of_memory_is_one_line(module, monkeypatch, tmp_path):
+    """A run too large for the GPU ends with one line that says what to change and writes no JSON."""
+    def too_large(argv=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total capacity of "
+                                     "139.80 GiB of which 3.12 MiB is free. Including non-PyTorch memory, this process "
+                                     "has 139.79 GiB memory in use.")
+    monkeypatch.setattr(module, "fine_tune", too_large)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--out", str(tmp_path / "run.json")])
+    message = str(exit_info.value)
+    assert message.startswith("error: out of memory on the GPU (CUDA out of memory. Tried to allocate 256.00 MiB.")
+    assert "Including" not in message and "--activation-checkpointing full" in message and "\n" not in message
+    assert not (tmp_path / "run.json").exists()
