@@ -844,7 +844,8 @@ def benchmark_kernel(kernel, args, copy_gbps):
                 fn = provider.load(**provider.options)
                 err = {} if provider.ceiling else errors_of(run_once(fn, case), ref)
                 passed = all(err[name] <= limits[name] for name in err)
-                row_head.update(error=err or None, check=UNCHECKED if provider.ceiling else check_label(provider, passed))
+                check = UNCHECKED if provider.ceiling else check_label(provider, passed)
+                row_head.update(error=err or None, check=check)
                 if not passed and provider.ours:
                     failures.append(f"{kernel}/{provider.name} N={tokens}: error {err} above the limit {limits}")
                 row_head["peak_mb"] = peak_mb_above_inputs(fn, case)
@@ -990,7 +991,8 @@ def legend(kernel, fixed_dims):
                               "its limit"),
                 ("check", f"pass = every error <= {ERROR_FACTOR:g} x {baseline}'s error + a dtype floor; FAIL = one of "
                           f"ours above it (fails the run); '{PEER_ABOVE}' = another provider above it, reported, not "
-                          f"judged; '{UNCHECKED}' on a ceiling row = the work every implementation must do, timed only")]
+                          f"judged; '{UNCHECKED}' on a ceiling row = the work every implementation must do, timed "
+                          "only")]
     lines = ["How to read this table:"]
     for key, text in entries:
         lines.append(textwrap.fill(text, width=118, initial_indent=f"  {key:<12} ", subsequent_indent=" " * 15))
