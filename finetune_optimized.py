@@ -830,7 +830,7 @@ def main(argv=None):
     """The script. A run too large for the GPU ends with one line that says what to change, not with a traceback
     through transformers; nothing is written (the JSON comes only at the end)."""
     try:
-        fine_tune(argv)
+        return fine_tune(argv)
     except torch.OutOfMemoryError as err:
         torch_says = str(err).split(" Including")[0]  # "CUDA out of memory. Tried to allocate ... is free."
         raise SystemExit(f"error: out of memory on the GPU ({torch_says}). Shorter sequences or batches (--seq-len, "
