@@ -138,6 +138,11 @@ def build_parser():
                         help="torch.compile's mode: reduce-overhead replays each step's kernel launches as CUDA "
                              "graphs (no host work per launch); max-autotune-no-cudagraphs tries more kernel "
                              "configurations (a longer compile)")
+    # -- CUDA graph (the same flag in both scripts) --------------------------------------------------------------------
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph "
+                             "after the warm-up and replay it: one launch per step instead of one per kernel, for "
+                             "steps the host cannot launch as fast as the GPU runs them (1x512)")
     # -- baseline only: the other peer a user would try (the first is --compile) -------------------------------------
     parser.add_argument("--liger", action="store_true",
                         help="Liger-Kernel's apply_liger_kernel_to_llama(model=...); not with --compile")
@@ -182,6 +187,16 @@ def parse_args(argv=None):
     if args.optimizer_in_backward and args.fsdp:
         parser.error("--optimizer-in-backward cannot be combined with --fsdp (FSDP2 reduces gradients after the "
                      "backward)")
+    if args.cuda_graph:
+        # A graph replays one fixed sequence of kernels on fixed buffers: the step must have one shape and no host work
+        # between its kernels. torch.compile's reduce-overhead mode is its own use of CUDA graphs.
+        clashes = {"--compile": args.compile, "--fsdp": args.fsdp, "--seq-len-search": args.seq_len_search,
+                   "--optimizer-in-backward": args.optimizer_in_backward,
+                   "--activation-checkpointing": args.activation_checkpointing != "none",
+                   "--warmup-seq-len": args.warmup_seq_len is not None}
+        clash = next((flag for flag, used in clashes.items() if used), None)
+        if clash:
+            parser.error(f"--cuda-graph captures one plain step of one shape: it cannot be combined with {clash}")
     if args.seq_len_search:
         try:
             args.seq_len_search = [int(x) for x in args.seq_len_search.split(",")]
@@ -788,6 +803,31 @@ def sync():
         torch.cuda.synchronize()
 
 
+def capture_step(train_step, example_batch):
+    """--cuda-graph: record one call of train_step (forward, backward, optimizer step) as a CUDA graph and return a
+    step function that replays it on new token ids.
+
+    Why it pays: an 8B step launches thousands of kernels, and at 1x512 most finish faster than Python and the CUDA
+    driver can launch the next one, so the GPU waits on the host. A replay is one launch for the whole step.
+    What it needs, and the scripts provide: the same shapes every step (the batch is copied into one fixed input
+    buffer), no host syncs inside the step, an optimizer created with capturable=True (its step count lives on the
+    GPU), and a warm-up step on a side stream before the capture, as PyTorch's CUDA-graph notes ask (Triton compiles
+    its kernels then, not during the capture). Capturing runs nothing: the first replay is the first step it trains.
+    The step's activations come from the graph's own memory pool, allocated during the capture as an eager step
+    allocates them, so the peak-memory counter still sees the step's peak."""
+    static_batch = example_batch.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_accuracy = train_step(static_batch)
+
+    def graphed_step(micro_batches):
+        static_batch.copy_(micro_batches)
+        graph.replay()
+        # the next replay overwrites the outputs in place: hand the caller copies
+        return static_loss.clone(), None if static_accuracy is None else static_accuracy.clone()
+    return graphed_step
+
+
 def init_distributed(args):
     """(rank, world_size, device). --fsdp: join the process group that torchrun or accelerate launch set up, NCCL
     with one GPU per process (cuda:LOCAL_RANK), gloo on CPU; otherwise one process on the one device."""
@@ -872,10 +912,13 @@ def fine_tune(argv=None):
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model_with_loss)
+    use_cuda_graph = args.cuda_graph and HAS_CUDA
+    if args.cuda_graph and not HAS_CUDA:
+        print("no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly")
     # After fully_shard: the optimizer must hold the sharded parameters (each rank updates its own shard).
     def make_optimizer(params):
         return torch.optim.AdamW(params, lr=args.lr, foreach=args.optimizer == "adamw_foreach",
-                                 fused=args.optimizer == "adamw_fused")
+                                 fused=args.optimizer == "adamw_fused", capturable=use_cuda_graph)
     if args.optimizer_in_backward:
         optimizer_in_backward(model, make_optimizer)
         optimizer = None  # nothing left to step after the backward
@@ -922,9 +965,15 @@ def fine_tune(argv=None):
         attention = model.model.layers[0].self_attn
         hooks = [] if args.compile else [attention.register_forward_pre_hook(start_recording),
                                          attention.register_forward_hook(stop_recording)]
+        # --cuda-graph: the warm-up runs on a side stream, as torch.cuda.graph asks, so that nothing it initializes
+        # lazily is tied to the stream the capture then records.
+        side_stream = torch.cuda.Stream() if use_cuda_graph else None
         try:
             t0 = time.perf_counter()
-            loss, _ = train_step(micro_batches)
+            if side_stream is not None:
+                side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):  # None: the current stream
+                loss, _ = train_step(micro_batches)
             sync()
         finally:
             for hook in hooks:
@@ -1010,7 +1059,9 @@ def fine_tune(argv=None):
 
         warmup_loss, warmup_s, attention_kernels = warm_up(batches[0][..., :args.warmup_seq_len or args.seq_len])
         if HAS_CUDA:
+            torch.cuda.empty_cache()  # the warm-up's cached activations: the graph allocates its own
             torch.cuda.reset_peak_memory_stats()
+        step_function = capture_step(train_step, batches[0]) if use_cuda_graph else train_step
 
         losses, accuracies, step_times = [], [], []  # device tensors, read once at the end
         progress = tqdm(range(1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
@@ -1018,7 +1069,7 @@ def fine_tune(argv=None):
             # Synchronize around the host timer so the step's GPU work is inside the interval (launches are async).
             sync()
             t0 = time.perf_counter()
-            loss, accuracy = train_step(batches[step])
+            loss, accuracy = step_function(batches[step])
             sync()
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
@@ -1070,6 +1121,7 @@ def fine_tune(argv=None):
         print(f"attention       : {', '.join(attention_kernels) or not_seen} | checkpointing "
               f"{args.activation_checkpointing}" + (f", MLP tiles of {args.tiled_mlp} tokens" if args.tiled_mlp else "")
               + (", optimizer in backward" if args.optimizer_in_backward else "")
+              + (" | the whole step replayed as one CUDA graph" if use_cuda_graph else "")
               + f" | allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'default'}")
         if offload is not None:
             timing = (f"; one layer's copy {offload['copy_ms']:.1f} ms against {offload['layer_compute_ms']:.1f} ms "
@@ -1087,7 +1139,8 @@ def fine_tune(argv=None):
                        "peak_memory_gib": peak_gib, "peak_memory_bytes": peak_bytes,
                        "peak_memory_gib_per_rank": peak_gib_per_rank,
                        "losses": losses, "token_accuracies": accuracies, "step_ms": [1e3 * s for s in step_times],
-                       "attention_kernels": attention_kernels, "offload": offload, "recompute": recompute})
+                       "attention_kernels": attention_kernels, "offload": offload, "recompute": recompute,
+                       "cuda_graph": use_cuda_graph})
 
     if rank == 0:
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -305,7 +305,7 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 
 SHARED = ["git_info", "run_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model",
           "data_error", "data_rows", "text_encoder", "load_token_stream", "make_batches", "shift_labels_of",
-          "default_out_path", "seq_len_search", "sync", "init_distributed", "keep_attention_outputs",
+          "default_out_path", "seq_len_search", "sync", "capture_step", "init_distributed", "keep_attention_outputs",
           "AttentionKernelRecorder", "ActivationOffloader", "TiledMLPFunction", "tile_mlps",
           "enable_activation_checkpointing", "optimizer_in_backward", "flag_summary", "plot_memory"]
 
@@ -362,3 +362,32 @@ def test_out_of_memory_is_one_line(module, monkeypatch, tmp_path):
     assert message.startswith("error: out of memory on the GPU (CUDA out of memory. Tried to allocate 256.00 MiB.")
     assert "Including" not in message and "--activation-checkpointing full" in message and "\n" not in message
     assert not (tmp_path / "run.json").exists()
+
+
+@pytest.mark.parametrize("variant", ["baseline", "linear_ce"])
+def test_cuda_graph_trains_like_the_eager_step(parity_runs, variant, tmp_path):
+    """--cuda-graph replays one captured step: the same kernels on the same data, so the same losses as the eager run,
+    step by step. A graph that left out the optimizer step would give a flat loss, one that kept the gradients between
+    replays a different curve. Without a GPU the flag says so in one line and the steps run eagerly."""
+    eager, _ = parity_runs[variant]
+    script = "finetune_baseline.py" if variant == "baseline" else "finetune_optimized.py"
+    flags = ["--steps", "5", "--seq-len", "32", "--lr", "1e-3", "--data", eager["options"]["data"],
+             *(["--lce-chunk-size", "8"] if variant == "linear_ce" else []), "--cuda-graph"]
+    graphed, stdout = run_script(script, tmp_path, "graphed", *flags)
+    assert graphed["cuda_graph"] is torch.cuda.is_available()
+    if torch.cuda.is_available():
+        assert "the whole step replayed as one CUDA graph" in stdout
+    else:
+        assert "no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly" in stdout
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=2e-5)
+    assert graphed["token_accuracies"] == pytest.approx(eager["token_accuracies"], abs=1e-6)
+
+
+@pytest.mark.parametrize("flags", [["--compile"], ["--activation-checkpointing", "full"], ["--seq-len-search", "8,16"],
+                                   ["--optimizer-in-backward"], ["--warmup-seq-len", "16"]])
+def test_cuda_graph_refuses_what_a_graph_cannot_replay(flags, capsys):
+    for module in (finetune_baseline, finetune_optimized):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--cuda-graph", *flags])
+        assert f"--cuda-graph captures one plain step of one shape: it cannot be combined with {flags[0]}" in \
+            capsys.readouterr().err
