@@ -305,8 +305,9 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 
 SHARED = ["git_info", "run_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model",
           "data_error", "data_rows", "text_encoder", "load_token_stream", "make_batches", "shift_labels_of",
-          "default_out_path", "seq_len_search", "sync", "capture_step", "init_distributed", "keep_attention_outputs",
-          "AttentionKernelRecorder", "ActivationOffloader", "TiledMLPFunction", "tile_mlps",
+          "default_out_path", "seq_len_search", "sync", "causal_sdpa_without_mask", "capture_step",
+          "init_distributed", "keep_attention_outputs", "AttentionKernelRecorder", "ActivationOffloader",
+          "TiledMLPFunction", "tile_mlps",
           "enable_activation_checkpointing", "optimizer_in_backward", "flag_summary", "plot_memory"]
 
 
@@ -391,3 +392,29 @@ def test_cuda_graph_refuses_what_a_graph_cannot_replay(flags, capsys):
             module.parse_args(["--cuda-graph", *flags])
         assert f"--cuda-graph captures one plain step of one shape: it cannot be combined with {flags[0]}" in \
             capsys.readouterr().err
+
+
+def test_causal_sdpa_without_mask_keeps_the_causal_flag_under_capture(monkeypatch):
+    """During a CUDA-graph capture transformers treats the forward as tracing and hands SDPA a [T, T] mask tensor
+    (a slower kernel); the implementation --cuda-graph switches to must still call SDPA with no mask and
+    is_causal=True, and give the same logits. The capture is simulated by transformers' own tracing check."""
+    from transformers import masking_utils
+    model = tiny_model_with_random_norms(seed=6)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(7))
+    input_ids = input_ids.to(DEVICE)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is not None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *args, **kwargs: True)
+    with torch.no_grad():
+        masked = model(input_ids=input_ids).logits
+        assert calls == [(True, False)] * 2  # the stock path under capture: a mask tensor, in each of the 2 layers
+        calls.clear()
+        finetune_optimized.causal_sdpa_without_mask(model)
+        causal = model(input_ids=input_ids).logits
+    assert calls == [(False, True)] * 2
+    torch.testing.assert_close(causal, masked, rtol=1e-5, atol=1e-5)
