@@ -1100,8 +1100,10 @@ def fine_tune(argv=None):
         tokens_per_step = world_size * n_micro * args.batch_size * args.seq_len  # global: all the ranks together
 
         warmup_loss, warmup_s, attention_kernels = warm_up(batches[0][..., :args.warmup_seq_len or args.seq_len])
-        if HAS_CUDA:
-            torch.cuda.empty_cache()  # the warm-up's cached activations: the graph allocates its own
+        # The peak is the timed steps' own, except under reduce-overhead: its replays allocate nothing, their memory
+        # was allocated while the warm-up recorded them, so the peak there includes the warm-up.
+        if HAS_CUDA and warmup_steps == 1:
+            torch.cuda.empty_cache()  # the warm-up's cached activations: a --cuda-graph capture allocates its own
             torch.cuda.reset_peak_memory_stats()
         step_function = capture_step(train_step, batches[0]) if use_cuda_graph else train_step
 
