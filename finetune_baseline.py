@@ -7,7 +7,8 @@ peak-memory counter, then --steps timed steps of forward -> loss -> backward -> 
 finetune_optimized.py is the same script with the fused kernels plugged in; `diff finetune_baseline.py
 finetune_optimized.py` shows exactly what they change. This one also offers the peers a user would try first:
 --compile (torch.compile of the model with its loss; --compile-mode picks inductor's mode) and --liger (Liger-Kernel's
-apply_liger_kernel_to_llama). finetune_optimized.py has the same --compile, around its kernels.
+apply_liger_kernel_to_llama). finetune_optimized.py has the same --compile, around its kernels. Both have --cuda-graph,
+which replays the whole step as one CUDA graph: the lever for steps the host cannot launch as fast as the GPU runs them.
 
     python finetune_baseline.py                                 # 20 steps at 1x512 (tiny LLaMA on CPU)
     python finetune_baseline.py --seq-len 8192 --out results/finetune_baseline_1x8192.json

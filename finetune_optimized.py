@@ -10,9 +10,9 @@ The playbook's step 11, second half: finetune_baseline.py with four changes, eac
   4. the loss: by default the fused linear cross-entropy, fed the decoder's hidden states and lm_head's weight, so the
      [B*T, V] logits never exist (--loss linear_ce); --loss ce reproduces the playbook's exact configuration, the fused
      cross-entropy on the lm_head logits (cross_entropy_kernel.py).
-Everything else -- model, data, optimizer, timing, JSON -- is the baseline's, line for line, --compile included:
-torch.compile of the model with its loss, which traces the kernels as custom operators (torch.ops.playbook.*) and
-compiles everything around them.
+Everything else -- model, data, optimizer, timing, JSON -- is the baseline's, line for line, --compile and --cuda-graph
+included: torch.compile of the model with its loss traces the kernels as custom operators (torch.ops.playbook.*) and
+compiles everything around them; --cuda-graph replays the whole step, kernels included, as one CUDA graph.
 
     python finetune_optimized.py                                # 20 steps at 1x512 (tiny LLaMA on CPU)
     python finetune_optimized.py --seq-len 8192 --out results/finetune_optimized_1x8192.json
