@@ -831,11 +831,20 @@ def capture_step(train_step, example_batch):
     GPU), and a warm-up step on a side stream before the capture, as PyTorch's CUDA-graph notes ask (Triton compiles
     its kernels then, not during the capture). Capturing runs nothing: the first replay is the first step it trains.
     The step's activations come from the graph's own memory pool, allocated during the capture as an eager step
-    allocates them, so the peak-memory counter still sees the step's peak."""
+    allocates them, so the peak-memory counter still sees the step's peak.
+    A step that cannot be captured (a host sync, a copy from the host: e.g. in a peer's kernels) ends the run with
+    one error line; running out of memory goes to main's message."""
     static_batch = example_batch.clone()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss, static_accuracy = train_step(static_batch)
+    try:
+        with torch.cuda.graph(graph):
+            static_loss, static_accuracy = train_step(static_batch)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as err:
+        torch_says = str(err).splitlines()[0]
+        raise SystemExit(f"error: the training step cannot be captured as a CUDA graph ({torch_says}): something in "
+                         f"it waits for the GPU or copies from the host; run without --cuda-graph") from None
 
     def graphed_step(micro_batches):
         static_batch.copy_(micro_batches)

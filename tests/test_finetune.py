@@ -418,3 +418,35 @@ def test_causal_sdpa_without_mask_keeps_the_causal_flag_under_capture(monkeypatc
         causal = model(input_ids=input_ids).logits
     assert calls == [(False, True)] * 2
     torch.testing.assert_close(causal, masked, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_cannot_be_captured_is_one_error_line(monkeypatch):
+    """What torch raises when a captured step syncs with the host becomes one line; out of memory is left to main."""
+    class FakeGraph:
+        pass
+
+    class FakeCapture:
+        def __init__(self, graph):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+
+    def syncing_step(batch):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
+    with pytest.raises(SystemExit) as exit_info:
+        finetune_optimized.capture_step(syncing_step, torch.zeros(1, 1, 4, dtype=torch.long))
+    message = str(exit_info.value)
+    assert message == ("error: the training step cannot be captured as a CUDA graph (CUDA error: operation not "
+                       "permitted when stream is capturing): something in it waits for the GPU or copies from the "
+                       "host; run without --cuda-graph")
+
+    def step_out_of_memory(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(torch.OutOfMemoryError):
+        finetune_optimized.capture_step(step_out_of_memory, torch.zeros(1, 1, 4, dtype=torch.long))
