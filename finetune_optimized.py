@@ -999,7 +999,8 @@ def fine_tune(argv=None):
 
     # torch.compile compiles on the first call; in reduce-overhead mode it records its CUDA graphs on the second,
     # which takes about as long as 17 replayed steps (1x512, H200) and belongs to the warm-up, not to the timed steps.
-    warmup_steps = 2 if args.compile and args.compile_mode == "reduce-overhead" else 1
+    compile_records_graphs = args.compile and args.compile_mode == "reduce-overhead"
+    warmup_steps = 2 if compile_records_graphs else 1
 
     def warm_up(micro_batches):
         """The untimed first step(s): kernels compile, cuBLAS picks algorithms, the optimizer creates its state. The
@@ -1111,7 +1112,7 @@ def fine_tune(argv=None):
         warmup_loss, warmup_s, attention_kernels = warm_up(batches[0][..., :args.warmup_seq_len or args.seq_len])
         # The peak is the timed steps' own, except under reduce-overhead: its replays allocate nothing, their memory
         # was allocated while the warm-up recorded them, so the peak there includes the warm-up.
-        if HAS_CUDA and warmup_steps == 1:
+        if HAS_CUDA and not compile_records_graphs:
             torch.cuda.empty_cache()  # the warm-up's cached activations: a --cuda-graph capture allocates its own
             torch.cuda.reset_peak_memory_stats()
         step_function = capture_step(train_step, batches[0]) if use_cuda_graph else train_step
