@@ -138,15 +138,28 @@ def _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
+def _capped_softmax_update(t, lane_max, lane_sum, cap_log2e, FAST_EXP2: tl.constexpr):
+    """_online_softmax_update for the softcap's capped logits softcap * t, kept in units of t = tanh(x / softcap):
+    exp(softcap * t - softcap * max) = 2^(t * cap_log2e - max * cap_log2e) with cap_log2e = softcap * log2(e), so one
+    fused multiply-add per logit takes t to the exponent and the capped logit is never formed. t lies in [-1, 1]
+    (masked columns: -inf), so a lane's max starts at -1 and is never -inf: no guard against -inf - (-inf)."""
+    new_max = tl.maximum(lane_max, tl.max(t, axis=1))
+    shift = new_max * cap_log2e
+    chunk_sum = tl.sum(_exp2(t * cap_log2e - shift[:, None], FAST_EXP2), axis=1)
+    return new_max, lane_sum * _exp2(lane_max * cap_log2e - shift, FAST_EXP2) + chunk_sum
+
+
+@triton.jit
 def _merge_lanes(lane_max, lane_sum, FAST_EXP2: tl.constexpr, lane_start=None, past_end=None,
-                 TRACK_ARGMAX: tl.constexpr = False):
-    """Combine the lanes once per row, by the same rule: the row max, and every lane's sum rescaled to it.
+                 TRACK_ARGMAX: tl.constexpr = False, log2_unit=LOG2E):
+    """Combine the lanes once per row, by the same rule: the row max, and every lane's sum rescaled to it (log2_unit:
+    log2 of e per unit of the maxima, softcap * log2(e) for the softcap's t, see _capped_softmax_update).
     Returns (row_max, row_sum, argmax_start). Extra, TRACK_ARGMAX: argmax_start is the lowest lane_start (a lane's
     first column) among the lanes whose max is the row's, i.e. the lane of the row's first maximal logit, or past_end
     (a column >= V) if there is none (a NaN max); 0 otherwise. It is reduced together with the sum, in one tuple
     reduction: across warps, each reduction is a round trip through shared memory between barriers."""
     row_max = tl.max(lane_max, axis=0)
-    rescaled_sum = lane_sum * _exp2((lane_max - row_max) * LOG2E, FAST_EXP2)
+    rescaled_sum = lane_sum * _exp2((lane_max - row_max) * log2_unit, FAST_EXP2)
     if TRACK_ARGMAX:
         row_sum, argmax_start = tl.reduce((rescaled_sum, tl.where(lane_max == row_max, lane_start, past_end)), 0,
                                           _sum_and_min)
@@ -190,11 +203,14 @@ def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITI
     """scale * (softmax(x) - eps / V) without the one-hot term (added once per row by the caller). softmax(x) =
     2^((x - row_max) * log2(e) - log2(sum)): a subtraction, one fused multiply-add and one exp2. With a positive scale
     the caller folds log2(scale) into the offset too (scale * 2^y = 2^(y + log2(scale))); else it is a multiply.
-    Extras: class weights make the smoothing term of column j smoothing_term * w_j; a softcap caps x first and
-    multiplies the result by the cap's slope (the chain rule)."""
+    Extras: class weights make the smoothing term of column j smoothing_term * w_j; a softcap replaces x by the
+    capped logit softcap * t, t = tanh(x / softcap), and multiplies the result by the cap's slope 1 - t^2 (the chain
+    rule). Both come from t: one multiply-add takes t to the exponent, another gives the slope."""
     if HAS_SOFTCAP:
-        x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
-    grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
+        t = _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
+        grad = _exp2(t * (softcap * LOG2E) - (row_max * LOG2E + exponent_offset), FAST_EXP2)
+    else:
+        grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
     if not POSITIVE_SCALE:
         grad = grad * scale
     if HAS_SMOOTHING:
@@ -203,7 +219,7 @@ def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITI
         else:
             grad = grad - smoothing_term
     if HAS_SOFTCAP:
-        grad = grad * _softcap_slope(x, softcap)
+        grad = grad * (1.0 - t * t)
     return grad
 
 
@@ -340,10 +356,14 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
     """Pass 1 over one row: the online softmax, one running max and sum per lane, merged at the end.
     Returns (row_max, row_sum, sum_x_tile, x_partial, argmax_start); sum_x_tile holds sum(x) per element (label
     smoothing only), x_partial the row's last, partial chunk, which pass 2 reuses from registers (before the softcap:
-    pass 2 applies it again), argmax_start (extra, else 0) the first of the LANE_WIDTH columns that hold the row's
+    pass 2 applies it again), row_max in logit units (with a softcap: softcap times the max of t), argmax_start (extra, else 0) the first of the LANE_WIDTH columns that hold the row's
     argmax (see _merge_lanes)."""
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
-    lane_max = tl.full([N_LANES], float("-inf"), dtype=tl.float32)
+    if HAS_SOFTCAP:  # extra: the lanes keep the max of t = tanh(x / softcap) >= -1 (see _capped_softmax_update)
+        lane_max = tl.full([N_LANES], -1.0, dtype=tl.float32)
+        cap_log2e = softcap * LOG2E
+    else:
+        lane_max = tl.full([N_LANES], float("-inf"), dtype=tl.float32)
     lane_sum = tl.zeros([N_LANES], dtype=tl.float32)  # sum of exp(x - lane_max) over the lane's columns
     # Label smoothing needs sum(x): kept per element and reduced once at the end, not once per chunk.
     sum_x_tile = tl.zeros([N_LANES, LANE_WIDTH], dtype=tl.float32)
@@ -353,10 +373,15 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
         # evict_last: keep the row in L2 for pass 2.
         x = tl.load(logits_row + i * BLOCK_V + chunk_offsets, eviction_policy="evict_last").to(tl.float32)
         if HAS_SOFTCAP:
-            x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
-        if TRACK_ARGMAX:
-            lane_chunk = _lane_argmax_update(x, i, lane_max, lane_chunk, IN_ORDER=True)
-        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+            t = _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
+            if TRACK_ARGMAX:  # t orders the columns as the capped logits do
+                lane_chunk = _lane_argmax_update(t, i, lane_max, lane_chunk, IN_ORDER=True)
+            lane_max, lane_sum = _capped_softmax_update(t, lane_max, lane_sum, cap_log2e, FAST_EXP2)
+            x = softcap * t  # the capped logit: label smoothing's sum(x) only
+        else:
+            if TRACK_ARGMAX:
+                lane_chunk = _lane_argmax_update(x, i, lane_max, lane_chunk, IN_ORDER=True)
+            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:  # extra: sum(w * x)
                 sum_x_tile += x * tl.load(weight_ptr + i * BLOCK_V + chunk_offsets)
@@ -367,19 +392,28 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
                         eviction_policy="evict_last").to(tl.float32)
     x = x_partial
     if HAS_SOFTCAP:
-        # masked columns stay -inf: the cap of -inf is finite
-        x = tl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
-    if TRACK_ARGMAX:
-        lane_chunk = _lane_argmax_update(x, n_full, lane_max, lane_chunk, IN_ORDER=True)
-    lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        # masked columns stay -inf: tanh(-inf) = -1 would count them
+        t = tl.where(partial_mask, _tanh(x_partial * (1.0 / softcap), FAST_EXP2, FAST_TANH), float("-inf"))
+        if TRACK_ARGMAX:
+            lane_chunk = _lane_argmax_update(t, n_full, lane_max, lane_chunk, IN_ORDER=True)
+        lane_max, lane_sum = _capped_softmax_update(t, lane_max, lane_sum, cap_log2e, FAST_EXP2)
+        x = softcap * t
+        log2_unit = cap_log2e
+    else:
+        if TRACK_ARGMAX:
+            lane_chunk = _lane_argmax_update(x, n_full, lane_max, lane_chunk, IN_ORDER=True)
+        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        log2_unit = LOG2E
+    row_max, row_sum, argmax_start = _merge_lanes(lane_max, lane_sum, FAST_EXP2,
+                                                  lane_chunk * BLOCK_V + tl.arange(0, N_LANES) * LANE_WIDTH,
+                                                  (n_full + 1) * BLOCK_V, TRACK_ARGMAX, log2_unit)
+    if HAS_SOFTCAP:
+        row_max = softcap * row_max  # from t back to logit units, as without a softcap
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             sum_x_tile += tl.where(partial_mask, x, 0.0) * tl.load(weight_ptr + partial_offsets)
         else:
             sum_x_tile += tl.where(partial_mask, x, 0.0)
-    row_max, row_sum, argmax_start = _merge_lanes(lane_max, lane_sum, FAST_EXP2,
-                                                  lane_chunk * BLOCK_V + tl.arange(0, N_LANES) * LANE_WIDTH,
-                                                  (n_full + 1) * BLOCK_V, TRACK_ARGMAX)
     return row_max, row_sum, sum_x_tile, x_partial, argmax_start
 
 
@@ -452,19 +486,25 @@ _NO_CHUNK = tl.constexpr(2**31 - 1)  # a lane's chunk before any, in Part 2: lar
 
 
 @triton.jit
-def _softcap(x, softcap, FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
-    """softcap * tanh(x / softcap). FAST_TANH (16-bit logits on the GPU): one tanh.approx.f32 instruction, relative
-    error about 2^-11, below the logits' own rounding (2^-9 for bf16). Otherwise softcap - 2 * softcap / (exp(2x /
-    softcap) + 1): one exp2 and one reciprocal, accurate to about 1e-7 * softcap. The multi-function unit that runs
-    tanh, exp2 and reciprocal does 16 per cycle per multiprocessor, an eighth of the FMA rate: with tanh and exp2 in
-    each pass the softcap is bound by it, not by memory (see results/NOTES.md). -inf gives -softcap."""
+def _tanh(z, FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
+    """tanh(z). FAST_TANH (16-bit logits on the GPU): one tanh.approx.f32 instruction, relative error about 2^-11,
+    below the logits' own rounding (2^-9 for bf16). Otherwise 1 - 2 / (exp(2z) + 1): one exp2 and one reciprocal,
+    accurate to about 1e-7. The multi-function unit that runs tanh, exp2 and reciprocal does 16 per cycle per
+    multiprocessor, an eighth of the FMA rate: with a tanh and an exp2 per logit in each pass it sets the softcap's
+    pace, not memory (see results/NOTES.md). -inf gives -1."""
     if FAST_TANH:
-        return softcap * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * (1.0 / softcap)],
-                                                   dtype=tl.float32, is_pure=True, pack=1)
-    y = x * (2.0 * LOG2E / softcap)
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    y = z * (2.0 * LOG2E)
     if INTERPRETER:
-        y = tl.minimum(y, 126.0)  # numpy warns when exp2 overflows to inf (on the GPU: inf, then softcap, silently)
-    return softcap - (2.0 * softcap) * _reciprocal(_exp2(y, FAST_EXP2) + 1.0, FAST_EXP2)
+        y = tl.minimum(y, 126.0)  # numpy warns when exp2 overflows to inf (on the GPU: inf, then 1, silently)
+    return 1.0 - 2.0 * _reciprocal(_exp2(y, FAST_EXP2) + 1.0, FAST_EXP2)
+
+
+@triton.jit
+def _softcap(x, softcap, FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
+    """softcap * tanh(x / softcap), the capped logit. -inf gives -softcap."""
+    return softcap * _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
 
 
 @triton.jit
@@ -712,8 +752,9 @@ def _row_layout(x):
 # - lse_square_scale, the z-loss (PaLM): + lse_square_scale * lse^2 per non-ignored row, added to the loss, its
 #   gradient 2 * lse_square_scale * lse * softmax folded into pass 2. Reduced like the loss but never weighted ("mean"
 #   divides it by the number of non-ignored rows), as Liger does. return_z_loss also returns it alone.
-# - softcap (Gemma 2): every logit read becomes softcap * tanh(logit / softcap), in both passes; the gradient takes
-#   the chain factor 1 - tanh^2. No extra pass, but an exp2 and a reciprocal per logit and pass (see _softcap).
+# - softcap (Gemma 2): every logit read becomes softcap * t, t = tanh(logit / softcap), in both passes; the gradient
+#   takes the chain factor 1 - t^2. No extra pass, but a tanh per logit and pass besides the exp2 (see _tanh); the
+#   row kernel keeps its maxima in units of t, so one multiply-add takes t to the exponent (_capped_softmax_update).
 # - return_token_accuracy, return_predicted_tokens: the argmax per row, from the loss's pass over the logits (see
 #   _lane_argmax_update); predicted tokens are -1 on ignored rows.
 class _Extras(NamedTuple):
