@@ -114,6 +114,21 @@ def _exp2(x, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
+def _exp2_on_fma(y):
+    """2^y without the multi-function unit, on the FMA pipe: y = j + f with j = round(y), f in [-0.5, 0.5]. Adding
+    1.5 * 2^23 rounds y to j (the float's ulp is then 1) and leaves j in the low mantissa bits; a degree-4 polynomial
+    gives 2^f (relative error 2.8e-6, fitted on [-0.5, 0.5]); j << 23 added to its bits multiplies it by 2^j. About
+    nine instructions for the one MUFU.EX2 they replace. y is clamped at -126 (smaller j would wrap the exponent
+    field: 2^-126 for 0 is harmless), but a NaN goes through."""
+    y = tl.maximum(y, -126.0, propagate_nan=tl.PropagateNan.ALL)
+    rounded = y + 12582912.0
+    f = y - (rounded - 12582912.0)
+    p = 1.0 + f * (0.6931241750717163 + f * (0.24024100601673126 + f * (0.055906426161527634
+                                                                          + f * 0.00958279799669981)))
+    return ((rounded.to(tl.int32, bitcast=True) << 23) + p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _reciprocal(x, FAST_EXP2: tl.constexpr):
     """1 / x. On the GPU one MUFU.RCP instruction (rcp.approx.ftz, within 1 ulp) instead of the IEEE division's
     dozen; used by the softcap extra only. The interpreter divides."""
@@ -199,16 +214,21 @@ def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SM
 def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
                       HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, columns=None, weight_ptr=None,
                       softcap=None, HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False,
-                      FAST_TANH: tl.constexpr = False):
+                      FAST_TANH: tl.constexpr = False, EXP2_ON_FMA: tl.constexpr = False):
     """scale * (softmax(x) - eps / V) without the one-hot term (added once per row by the caller). softmax(x) =
     2^((x - row_max) * log2(e) - log2(sum)): a subtraction, one fused multiply-add and one exp2. With a positive scale
     the caller folds log2(scale) into the offset too (scale * 2^y = 2^(y + log2(scale))); else it is a multiply.
     Extras: class weights make the smoothing term of column j smoothing_term * w_j; a softcap replaces x by the
     capped logit softcap * t, t = tanh(x / softcap), and multiplies the result by the cap's slope 1 - t^2 (the chain
-    rule). Both come from t: one multiply-add takes t to the exponent, another gives the slope."""
+    rule). Both come from t: one multiply-add takes t to the exponent, another gives the slope. EXP2_ON_FMA (softcap
+    only): the exp2 runs on the FMA pipe (see _row_gradient)."""
     if HAS_SOFTCAP:
         t = _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
-        grad = _exp2(t * (softcap * LOG2E) - (row_max * LOG2E + exponent_offset), FAST_EXP2)
+        exponent = t * (softcap * LOG2E) - (row_max * LOG2E + exponent_offset)
+        if EXP2_ON_FMA:
+            grad = _exp2_on_fma(exponent)
+        else:
+            grad = _exp2(exponent, FAST_EXP2)
     else:
         grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
     if not POSITIVE_SCALE:
@@ -451,9 +471,12 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
                                    HAS_SMOOTHING, FAST_EXP2, offsets_a, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP,
                                    FAST_TANH)
         if CHUNKS_PER_STEP == 2:
+            # Extra, softcap: the multi-function unit runs a tanh and an exp2 per logit and pass and sets the pace;
+            # the FMA pipe idles. Chunk b's exp2 goes to the FMA pipe, which balances the two (as FlashAttention-4
+            # does for attention's softmax); all of pass 2's, or pass 1's, is slower (see results/NOTES.md).
             grad_b = _softmax_gradient(x_b, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
                                        HAS_SMOOTHING, FAST_EXP2, offsets_a - BLOCK_V, weight_ptr, softcap, HAS_WEIGHT,
-                                       HAS_SOFTCAP, FAST_TANH)
+                                       HAS_SOFTCAP, FAST_TANH, EXP2_ON_FMA=HAS_SOFTCAP)
         tl.store(grad_row + offsets_a, _round_to(grad_a, grad_row.dtype.element_ty), eviction_policy="evict_first")
         if CHUNKS_PER_STEP == 2:
             tl.store(grad_row + offsets_a - BLOCK_V, _round_to(grad_b, grad_row.dtype.element_ty),

@@ -323,6 +323,18 @@ def test_no_grad_path():
         assert rel_err(value, ref_loss) <= LOSS_FP32_TOL
 
 
+def test_out_of_range_targets_softcap():
+    """The same with a softcap in bf16 on the row kernel, whose pass 2 takes every other chunk's exp2 on the FMA pipe
+    (a clamp there must not turn the bad row's NaN into a number): NaN on the whole bad row, finite elsewhere."""
+    N, V = 6, 1100  # several whole chunks on the CPU (256 wide) and a partial one
+    logits = (torch.randn(N, V, device=DEVICE) * 3).to(torch.bfloat16)
+    targets = make_targets((N,), V, 0.0).to(DEVICE)
+    targets[1] = V + 3
+    loss, grad = ck.cross_entropy_forward(logits, targets, reduction="none", softcap=5.0, kernel="rows")
+    assert torch.isnan(loss[1]) and torch.all(torch.isnan(grad[1])), "the bad row must be NaN in every column"
+    assert torch.all(torch.isfinite(loss[[0, 2, 3, 4, 5]])) and torch.all(torch.isfinite(grad[[0, 2, 3, 4, 5]]))
+
+
 def test_out_of_range_targets():
     """Targets outside [0, V) that are not ignore_index: no out-of-bounds access, NaN loss and gradient on those rows
     only (others exact), and check_targets=True raises a ValueError naming the value."""
