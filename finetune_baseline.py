@@ -808,14 +808,14 @@ def sync():
 
 
 def causal_sdpa_without_mask(model):
-    """--cuda-graph with SDPA: keep the causal mask a flag, not a tensor, while the step is captured.
+    """--cuda-graph and --compile with SDPA: keep the causal mask a flag, not a tensor, in a captured or compiled step.
 
-    During a CUDA-graph capture transformers builds the causal mask as a [T, T] tensor (it treats a capture like
-    tracing, where a skipped mask would be baked in), and SDPA with a mask tensor takes a masked attention kernel:
-    3x slower than the causal one at 1x8192, plus the mask's memory. The fine-tune's batches are packed windows with
-    no padding, so their mask is always the plain causal one. An attention implementation registered without a mask
-    function gets attention_mask=None from transformers, and transformers' own SDPA function then passes
-    is_causal=True, exactly as the eager step does."""
+    During a CUDA-graph capture or a torch.compile trace transformers builds the causal mask as a [T, T] tensor (a
+    skipped mask would be baked into the graph, so it skips it only when not tracing), and SDPA with a mask tensor takes
+    a masked attention kernel: 3x slower than the causal one at 1x8192, plus the mask's memory. The fine-tune's batches
+    are packed windows with no padding, so their mask is always the plain causal one. An attention implementation
+    registered without a mask function gets attention_mask=None from transformers, and transformers' own SDPA function
+    then passes is_causal=True, exactly as the eager step does."""
     AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
     model.set_attn_implementation("sdpa_causal")
 
@@ -941,7 +941,7 @@ def fine_tune(argv=None):
     use_cuda_graph = args.cuda_graph and HAS_CUDA
     if args.cuda_graph and not HAS_CUDA:
         print("no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly")
-    if use_cuda_graph and args.attn_implementation == "sdpa":
+    if (use_cuda_graph or args.compile) and args.attn_implementation == "sdpa":
         causal_sdpa_without_mask(model)
     # After fully_shard: the optimizer must hold the sharded parameters (each rank updates its own shard).
     def make_optimizer(params):

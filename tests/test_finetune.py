@@ -420,6 +420,31 @@ def test_causal_sdpa_without_mask_keeps_the_causal_flag_under_capture(monkeypatc
     torch.testing.assert_close(causal, masked, rtol=1e-5, atol=1e-5)
 
 
+def test_causal_sdpa_without_mask_keeps_the_causal_flag_under_compile():
+    """Under torch.compile transformers builds the [T, T] mask tensor too (its tracing check covers compiling), so
+    --compile switches the attention as --cuda-graph does: in the traced graph every SDPA call then has no mask and
+    is_causal=True (the stock model's has a mask, in each of the 2 layers)."""
+    model = tiny_model_with_random_norms(seed=9)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(10))
+    input_ids = input_ids.to(DEVICE)
+
+    def traced_sdpa_calls():
+        calls = []
+
+        def inspecting_backend(graph_module, example_inputs):
+            calls.extend((node.kwargs.get("attn_mask") is not None, node.kwargs.get("is_causal"))
+                         for node in graph_module.graph.nodes
+                         if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target))
+            return graph_module.forward
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=inspecting_backend, fullgraph=True)(input_ids=input_ids)
+        return calls
+    assert traced_sdpa_calls() == [(True, False)] * 2
+    finetune_optimized.causal_sdpa_without_mask(model)
+    assert traced_sdpa_calls() == [(False, True)] * 2
+
+
 def test_a_step_that_cannot_be_captured_is_one_error_line(monkeypatch):
     """What torch raises when a captured step syncs with the host becomes one line; out of memory is left to main."""
     class FakeGraph:
