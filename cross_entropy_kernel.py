@@ -31,6 +31,8 @@ Triton concepts introduced here (new relative to rmsnorm_kernel.py)
   inside one thread (no shuffles, no barriers)
 - eviction policies on loads and stores (evict_last / evict_first: which lines L2 should keep)
 - inline PTX with tl.inline_asm_elementwise (one-instruction exp2 and reciprocal), and tl.debug_barrier
+- balancing the GPU's pipes: an exp2 by bit manipulation and a polynomial on the FMA pipe (bitcasts with
+  .to(..., bitcast=True)) where the multi-function unit is the bottleneck (the softcap)
 - optional features as constexpr switches with None arguments (the extras): code that is off is not compiled
 - Part 2, Gluon (triton.experimental.gluon): explicit register layouts, shared-memory buffers, cp.async copies with
   commit_group / wait_group, compile-time schedule functions (triton.constexpr_function)
