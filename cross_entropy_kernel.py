@@ -378,8 +378,8 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
     """Pass 1 over one row: the online softmax, one running max and sum per lane, merged at the end.
     Returns (row_max, row_sum, sum_x_tile, x_partial, argmax_start); sum_x_tile holds sum(x) per element (label
     smoothing only), x_partial the row's last, partial chunk, which pass 2 reuses from registers (before the softcap:
-    pass 2 applies it again), row_max in logit units (with a softcap: softcap times the max of t), argmax_start (extra, else 0) the first of the LANE_WIDTH columns that hold the row's
-    argmax (see _merge_lanes)."""
+    pass 2 applies it again), row_max in logit units (with a softcap: softcap times the max of t), argmax_start (extra,
+    else 0) the first of the LANE_WIDTH columns that hold the row's argmax (see _merge_lanes)."""
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
     if HAS_SOFTCAP:  # extra: the lanes keep the max of t = tanh(x / softcap) >= -1 (see _capped_softmax_update)
         lane_max = tl.full([N_LANES], -1.0, dtype=tl.float32)
