@@ -383,9 +383,10 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
     N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
     if HAS_SOFTCAP:  # extra: the lanes keep the max of t = tanh(x / softcap) >= -1 (see _capped_softmax_update)
         lane_max = tl.full([N_LANES], -1.0, dtype=tl.float32)
-        cap_log2e = softcap * LOG2E
+        log2_unit = softcap * LOG2E
     else:
         lane_max = tl.full([N_LANES], float("-inf"), dtype=tl.float32)
+        log2_unit = LOG2E
     lane_sum = tl.zeros([N_LANES], dtype=tl.float32)  # sum of exp(x - lane_max) over the lane's columns
     # Label smoothing needs sum(x): kept per element and reduced once at the end, not once per chunk.
     sum_x_tile = tl.zeros([N_LANES, LANE_WIDTH], dtype=tl.float32)
@@ -394,16 +395,8 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
     for i in tl.range(0, n_full, loop_unroll_factor=CHUNKS_PER_STEP):
         # evict_last: keep the row in L2 for pass 2.
         x = tl.load(logits_row + i * BLOCK_V + chunk_offsets, eviction_policy="evict_last").to(tl.float32)
-        if HAS_SOFTCAP:
-            t = _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
-            if TRACK_ARGMAX:  # t orders the columns as the capped logits do
-                lane_chunk = _lane_argmax_update(t, i, lane_max, lane_chunk, IN_ORDER=True)
-            lane_max, lane_sum = _capped_softmax_update(t, lane_max, lane_sum, cap_log2e, FAST_EXP2)
-            x = softcap * t  # the capped logit: label smoothing's sum(x) only
-        else:
-            if TRACK_ARGMAX:
-                lane_chunk = _lane_argmax_update(x, i, lane_max, lane_chunk, IN_ORDER=True)
-            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+        x, lane_max, lane_sum, lane_chunk = _fold_chunk(x, i, lane_max, lane_sum, lane_chunk, log2_unit, FAST_EXP2,
+                                                        softcap, HAS_SOFTCAP, FAST_TANH, TRACK_ARGMAX)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:  # extra: sum(w * x)
                 sum_x_tile += x * tl.load(weight_ptr + i * BLOCK_V + chunk_offsets)
@@ -412,20 +405,9 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
     # The partial chunk; masked columns read -inf so they count as exp(-inf) = 0.
     x_partial = tl.load(logits_row + partial_offsets, mask=partial_mask, other=float("-inf"),
                         eviction_policy="evict_last").to(tl.float32)
-    x = x_partial
-    if HAS_SOFTCAP:
-        # masked columns stay -inf: tanh(-inf) = -1 would count them
-        t = tl.where(partial_mask, _tanh(x_partial * (1.0 / softcap), FAST_EXP2, FAST_TANH), float("-inf"))
-        if TRACK_ARGMAX:
-            lane_chunk = _lane_argmax_update(t, n_full, lane_max, lane_chunk, IN_ORDER=True)
-        lane_max, lane_sum = _capped_softmax_update(t, lane_max, lane_sum, cap_log2e, FAST_EXP2)
-        x = softcap * t
-        log2_unit = cap_log2e
-    else:
-        if TRACK_ARGMAX:
-            lane_chunk = _lane_argmax_update(x, n_full, lane_max, lane_chunk, IN_ORDER=True)
-        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-        log2_unit = LOG2E
+    x, lane_max, lane_sum, lane_chunk = _fold_chunk(x_partial, n_full, lane_max, lane_sum, lane_chunk, log2_unit,
+                                                    FAST_EXP2, softcap, HAS_SOFTCAP, FAST_TANH, TRACK_ARGMAX,
+                                                    partial_mask)
     row_max, row_sum, argmax_start = _merge_lanes(lane_max, lane_sum, FAST_EXP2,
                                                   lane_chunk * BLOCK_V + tl.arange(0, N_LANES) * LANE_WIDTH,
                                                   (n_full + 1) * BLOCK_V, TRACK_ARGMAX, log2_unit)
@@ -437,6 +419,29 @@ def _row_statistics(logits_row, chunk_offsets, n_full, partial_offsets, partial_
         else:
             sum_x_tile += tl.where(partial_mask, x, 0.0)
     return row_max, row_sum, sum_x_tile, x_partial, argmax_start
+
+
+@triton.jit
+def _fold_chunk(x, chunk, lane_max, lane_sum, lane_chunk, log2_unit, FAST_EXP2: tl.constexpr, softcap=None,
+                HAS_SOFTCAP: tl.constexpr = False, FAST_TANH: tl.constexpr = False, TRACK_ARGMAX: tl.constexpr = False,
+                mask=None):
+    """One chunk of pass 1 into the lanes' running max and sum (and, extra, their argmax chunk). Returns (x as the loss
+    sees it, lane_max, lane_sum, lane_chunk). Extra, softcap: the lanes work on t = tanh(x / softcap), which orders
+    the columns as the capped logits do, log2_unit = softcap * log2(e) (see _capped_softmax_update), and x comes back
+    capped (label smoothing's sum(x) reads it). mask: the partial chunk's columns, whose masked ones hold -inf."""
+    if HAS_SOFTCAP:
+        t = _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
+        if mask is not None:
+            t = tl.where(mask, t, float("-inf"))  # tanh(-inf) = -1 would count the masked columns
+        if TRACK_ARGMAX:
+            lane_chunk = _lane_argmax_update(t, chunk, lane_max, lane_chunk, IN_ORDER=True)
+        lane_max, lane_sum = _capped_softmax_update(t, lane_max, lane_sum, log2_unit, FAST_EXP2)
+        x = softcap * t
+    else:
+        if TRACK_ARGMAX:
+            lane_chunk = _lane_argmax_update(x, chunk, lane_max, lane_chunk, IN_ORDER=True)
+        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
+    return x, lane_max, lane_sum, lane_chunk
 
 
 @triton.jit
