@@ -7,7 +7,8 @@ Reference: PyTorch in float64 on the SAME rounded inputs (the bf16 logits, conve
 our error against that reference is no worse than PyTorch's own error in the same dtype (measured in the same check)
 times ERROR_FACTOR, or below a per-dtype floor of about one rounding of that dtype. Gradients are compared on the whole
 tensor with a relative norm error ||ours - ref|| / ||ref||, so a zero or a wrong-sign gradient (error >= 1) cannot
-pass; ignored rows must be exactly 0; a mean over no rows must be NaN as in PyTorch. Both kernels are checked on the
+pass, and so is their softmax part (every entry but the target's), which the target entries would outweigh in the
+whole tensor's norm; ignored rows must be exactly 0; a mean over no rows must be NaN as in PyTorch. Both kernels are checked on the
 CPU: the row kernel, and the shared-memory kernel through its interpreter stand-in, with schedules (streamed chunks,
 ring slots) small enough for toy shapes. On the CPU the kernels run on Triton's interpreter, whose bf16 stores round
 to nearest even as the GPU's do, so the tolerances are the GPU's; an interpreter RuntimeWarning fails the test. The
