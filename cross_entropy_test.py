@@ -6,17 +6,17 @@ extras (class weights, z-loss, softcap, token accuracy, predicted tokens), and t
 Reference: PyTorch in float64 on the SAME rounded inputs (the bf16 logits, converted up exactly). How a check passes:
 our error against that reference is no worse than PyTorch's own error in the same dtype (measured in the same check)
 times ERROR_FACTOR, or below a per-dtype floor of about one rounding of that dtype. Gradients are compared on the whole
-tensor with a relative norm error ||ours - ref|| / ||ref||, so a zero or a wrong-sign gradient (error >= 1) cannot
-pass, and so is their softmax part (every entry but the target's), which the target entries would outweigh in the
-whole tensor's norm; ignored rows must be exactly 0; a mean over no rows must be NaN as in PyTorch. Both kernels are checked on the
-CPU: the row kernel, and the shared-memory kernel through its interpreter stand-in, with schedules (streamed chunks,
-ring slots) small enough for toy shapes. On the CPU the kernels run on Triton's interpreter, whose bf16 stores round
-to nearest even as the GPU's do, so the tolerances are the GPU's; an interpreter RuntimeWarning fails the test. The
-extras' reference is F.cross_entropy with its own `weight` and label smoothing on softcap * tanh(logits / softcap),
+tensor with a relative norm error ||ours - ref|| / ||ref||, so a zero or a wrong-sign gradient (error >= 1) cannot pass,
+and so is their softmax part (every entry but the target's), which the target entries would outweigh in the whole
+tensor's norm; ignored rows must be exactly 0; a mean over no rows must be NaN as in PyTorch. Both kernels are checked
+on the CPU: the row kernel, and the shared-memory kernel through its interpreter stand-in, with schedules (streamed
+chunks, ring slots) small enough for toy shapes. On the CPU the kernels run on Triton's interpreter, whose bf16 stores
+round to nearest even as the GPU's do, so the tolerances are the GPU's; an interpreter RuntimeWarning fails the test.
+The extras' reference is F.cross_entropy with its own `weight` and label smoothing on softcap * tanh(logits / softcap),
 plus Liger's z-loss, in float64, by the same rule; the predicted tokens must equal the reference argmax (logits with a
 unique maximum; equal maxima are a test of their own: the lowest column wins) and the token accuracy the fraction
-derived from it. The GPU-only checks (int64 offsets past 2^31 elements, peak memory, LLaMA-3 sizes, the row kernel
-where the shared-memory kernel is the default, the extras at LLaMA-3 sizes) are skipped there.
+derived from it. The GPU-only checks (int64 offsets past 2^31 elements, peak memory, LLaMA-3 sizes, the row kernel where
+the shared-memory kernel is the default, the extras at LLaMA-3 sizes) are skipped there.
 """
 import argparse
 import sys
