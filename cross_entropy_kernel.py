@@ -499,9 +499,10 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
     # The one-hot term, -scale * (1 - eps) at the target only: one store instead of a comparison on every value. The
     # barrier orders it after every thread's store of this row (one of which wrote that entry).
     tl.debug_barrier()
+    # A target outside [0, V) (its row is NaN) must not address the class weights either: class 0's stands in.
     target_softmax_term = _softmax_gradient(x_target, row_max, exponent_offset, softmax_scale, smoothing_term,
-                                            POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, target, weight_ptr, softcap,
-                                            HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH)
+                                            POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, tl.where(target_ok, target, 0),
+                                            weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH)
     one_hot = target_scale * (1.0 - label_smoothing)
     if HAS_SOFTCAP:  # extra: the chain rule applies to the one-hot term too
         one_hot = one_hot * _softcap_slope(_softcap(x_target, softcap, FAST_EXP2, FAST_TANH), softcap)
@@ -1971,9 +1972,11 @@ def _cross_entropy_smem_kernel(
         one_hot = target_scale * (1.0 - label_smoothing)
         if HAS_SOFTCAP:
             one_hot = one_hot * _softcap_slope(logit_target, softcap)
+        # An ignored row or a target outside [0, V) must not address the class weights: class 0's stands in (the
+        # store below is masked off for them).
         target_grad = _softmax_gradient(x_target, row_max, exponent_offset, softmax_scale, smoothing_term,
-                                        POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, target, weight_ptr, softcap,
-                                        HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH) - one_hot
+                                        POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, gl.where(target_ok, target, 0),
+                                        weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH) - one_hot
         gl.store(grad_row + target, _round_to(target_grad, grad_ptr.dtype.element_ty), mask=target_ok & valid)
         if TRACK_ARGMAX:
             if valid:

@@ -358,6 +358,34 @@ def test_out_of_range_targets_softcap():
     assert torch.all(torch.isfinite(loss[[0, 2, 3, 4, 5]])) and torch.all(torch.isfinite(grad[[0, 2, 3, 4, 5]]))
 
 
+def test_target_term_reads_no_weight_out_of_bounds(monkeypatch):
+    """The one-hot term of a row whose target is ignored or outside [0, V) addresses no class weight outside the
+    weights' buffer. Here that buffer lies between +inf values: on the interpreter, an ignored row's out-of-bounds read
+    would make inf * 0 (its smoothing term is 0), a RuntimeWarning and so a failure. Both kernels, with label smoothing
+    and class weights (the only case that reads a weight per column), in bf16."""
+    packed_weight = ck._packed_weight
+
+    def fenced(weight):
+        packed = packed_weight(weight)
+        fence = torch.full((4096,), float("inf"), device=packed.device)
+        return torch.cat([fence, packed, fence])[4096:4096 + packed.numel()]
+
+    monkeypatch.setattr(ck, "_packed_weight", fenced)
+    V = 1520
+    logits = (torch.randn(9, V, device=DEVICE) * 3).to(torch.bfloat16)
+    targets = make_targets((9,), V, 0.3).to(DEVICE)
+    targets[0] = -7  # outside [0, V) and not ignore_index: a NaN row
+    ignored = targets == -100
+    for kernel in ["rows", "smem"] if SMEM_RUNS_HERE else ["rows"]:
+        loss, grad = ck.cross_entropy_forward(logits, targets, reduction="none", label_smoothing=0.1,
+                                              weight=class_weights(V, torch.bfloat16), kernel=kernel, block_v=256)
+        assert torch.isnan(loss[0]) and torch.all(torch.isnan(grad[0])), kernel
+        assert torch.all(loss[ignored] == 0) and torch.all(grad[ignored] == 0), kernel
+        kept = ~ignored
+        kept[0] = False
+        assert torch.all(torch.isfinite(loss[kept])) and torch.all(torch.isfinite(grad[kept])), kernel
+
+
 def test_out_of_range_targets():
     """Targets outside [0, V) that are not ignore_index: no out-of-bounds access, NaN loss and gradient on those rows
     only (others exact), and check_targets=True raises a ValueError naming the value."""
