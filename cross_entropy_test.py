@@ -346,6 +346,45 @@ def test_no_grad_path():
         assert rel_err(value, ref_loss) <= LOSS_FP32_TOL
 
 
+def test_out_of_range_targets():
+    """Targets outside [0, V) that are not ignore_index: no out-of-bounds access, NaN loss and gradient on those rows
+    only (others exact), and check_targets=True raises a ValueError naming the value."""
+    N, V = 8, 300
+    logits = torch.randn(N, V, device=DEVICE, requires_grad=True)
+    targets = make_targets((N,), V, 0.0).to(DEVICE)
+    targets[2], targets[5], targets[6] = V, -7, -100
+    loss = ck.cross_entropy(logits, targets, reduction="none")
+    loss.backward(torch.ones_like(loss))
+    bad = torch.zeros(N, dtype=torch.bool, device=DEVICE)
+    bad[[2, 5]] = True
+    assert torch.all(torch.isnan(loss[bad])) and torch.all(torch.isnan(logits.grad[bad])), "bad rows must be NaN"
+    assert torch.all(torch.isfinite(loss[~bad])) and torch.all(torch.isfinite(logits.grad[~bad]))
+    good = ~bad
+    ref_loss, ref_grad = reference_cross_entropy(logits[good].double(), targets[good],
+                                                 torch.ones(int(good.sum()), device=DEVICE), reduction="none")
+    assert rel_err(loss[good], ref_loss) <= LOSS_FP32_TOL
+    assert rel_err(logits.grad[good], ref_grad) <= GRAD_FLOOR[torch.float32]
+    assert torch.isnan(ck.cross_entropy(logits.detach(), targets)), "a NaN row must make the mean NaN"
+    with pytest.raises(ValueError, match=f"target {V} "):
+        ck.cross_entropy(logits, targets, check_targets=True)
+    with pytest.raises(ValueError, match="target -7 "):
+        ck.TritonCrossEntropyLoss(check_targets=True)(logits, torch.where(targets == V, 0, targets))
+    hidden = torch.randn(N, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=f"target {V} "):
+        ck.linear_cross_entropy(hidden, torch.randn(V, 16, device=DEVICE), targets, check_targets=True)
+    ck.cross_entropy(logits, torch.where(bad, 0, targets), check_targets=True)  # valid targets pass the check
+
+    # The shared-memory kernel (16-bit logits) as well: NaN on the bad rows, exact zeros on the ignored one.
+    if not SMEM_RUNS_HERE:
+        return
+    logits16 = torch.randn(N, 1008, device=DEVICE).to(torch.bfloat16)
+    losses16, grad16 = ck.cross_entropy_forward(logits16, torch.where(targets == V, 1008, targets), reduction="none",
+                                                kernel="smem", block_v=256)
+    assert torch.all(torch.isnan(losses16[bad])) and torch.all(torch.isnan(grad16[bad]))
+    assert torch.all(torch.isfinite(losses16[~bad])) and torch.all(torch.isfinite(grad16[~bad]))
+    assert losses16[6] == 0 and torch.all(grad16[6] == 0), "the ignored row"
+
+
 def test_out_of_range_targets_softcap():
     """The same with a softcap in bf16 on the row kernel, whose pass 2 takes every other chunk's exp2 on the FMA pipe
     (a clamp there must not turn the bad row's NaN into a number): NaN on the whole bad row, finite elsewhere."""
@@ -384,45 +423,6 @@ def test_target_term_reads_no_weight_out_of_bounds(monkeypatch):
         kept = ~ignored
         kept[0] = False
         assert torch.all(torch.isfinite(loss[kept])) and torch.all(torch.isfinite(grad[kept])), kernel
-
-
-def test_out_of_range_targets():
-    """Targets outside [0, V) that are not ignore_index: no out-of-bounds access, NaN loss and gradient on those rows
-    only (others exact), and check_targets=True raises a ValueError naming the value."""
-    N, V = 8, 300
-    logits = torch.randn(N, V, device=DEVICE, requires_grad=True)
-    targets = make_targets((N,), V, 0.0).to(DEVICE)
-    targets[2], targets[5], targets[6] = V, -7, -100
-    loss = ck.cross_entropy(logits, targets, reduction="none")
-    loss.backward(torch.ones_like(loss))
-    bad = torch.zeros(N, dtype=torch.bool, device=DEVICE)
-    bad[[2, 5]] = True
-    assert torch.all(torch.isnan(loss[bad])) and torch.all(torch.isnan(logits.grad[bad])), "bad rows must be NaN"
-    assert torch.all(torch.isfinite(loss[~bad])) and torch.all(torch.isfinite(logits.grad[~bad]))
-    good = ~bad
-    ref_loss, ref_grad = reference_cross_entropy(logits[good].double(), targets[good],
-                                                 torch.ones(int(good.sum()), device=DEVICE), reduction="none")
-    assert rel_err(loss[good], ref_loss) <= LOSS_FP32_TOL
-    assert rel_err(logits.grad[good], ref_grad) <= GRAD_FLOOR[torch.float32]
-    assert torch.isnan(ck.cross_entropy(logits.detach(), targets)), "a NaN row must make the mean NaN"
-    with pytest.raises(ValueError, match=f"target {V} "):
-        ck.cross_entropy(logits, targets, check_targets=True)
-    with pytest.raises(ValueError, match="target -7 "):
-        ck.TritonCrossEntropyLoss(check_targets=True)(logits, torch.where(targets == V, 0, targets))
-    hidden = torch.randn(N, 16, device=DEVICE)
-    with pytest.raises(ValueError, match=f"target {V} "):
-        ck.linear_cross_entropy(hidden, torch.randn(V, 16, device=DEVICE), targets, check_targets=True)
-    ck.cross_entropy(logits, torch.where(bad, 0, targets), check_targets=True)  # valid targets pass the check
-
-    # The shared-memory kernel (16-bit logits) as well: NaN on the bad rows, exact zeros on the ignored one.
-    if not SMEM_RUNS_HERE:
-        return
-    logits16 = torch.randn(N, 1008, device=DEVICE).to(torch.bfloat16)
-    losses16, grad16 = ck.cross_entropy_forward(logits16, torch.where(targets == V, 1008, targets), reduction="none",
-                                                kernel="smem", block_v=256)
-    assert torch.all(torch.isnan(losses16[bad])) and torch.all(torch.isnan(grad16[bad]))
-    assert torch.all(torch.isfinite(losses16[~bad])) and torch.all(torch.isfinite(grad16[~bad]))
-    assert losses16[6] == 0 and torch.all(grad16[6] == 0), "the ignored row"
 
 
 def _bad_input_cases():
