@@ -38,6 +38,7 @@ same kernels run on Triton's CPU interpreter (slow: toy sizes).
 torch.compile traces the kernels as custom operators (torch.ops.playbook.*, section 3); eager calls keep the
 autograd.Function, which costs less host time.
 """
+import contextlib
 import math
 import os
 import sys
@@ -223,9 +224,19 @@ def _validate(x, weight, eps):
 
 
 def _as_rows(t):
-    """View t as [rows, H] with unit stride along H. Copies only when no such view exists."""
-    rows = t.reshape(-1, t.shape[-1])
+    """View t as [rows, H] with unit stride along H. Copies only when no such view exists. The row count is explicit
+    because reshape(-1, 0) cannot infer it when H is 0."""
+    rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _on_tensor_device(t):
+    """Triton launches on the CURRENT CUDA device and its stream: switch to t's GPU when it is another one (a model
+    spread over GPUs with device_map), and only then, because entering torch.cuda.device() on every call costs host
+    time in a host-bound step."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def _forward_config(n_cols):
@@ -256,19 +267,21 @@ def rmsnorm_forward(x, weight, eps):
     """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row."""
     _validate(x, weight, eps)
     x_rows = _as_rows(x)
+    weight = weight.contiguous()  # the kernels read the weight with unit stride; a copy only for a strided view
     n_rows, n_cols = x_rows.shape
     out_dtype = torch.promote_types(weight.dtype, x.dtype)  # what `weight * normed` gives in LlamaRMSNorm
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows > 0:
+    if y.numel() > 0:  # no rows or no columns: nothing to normalize (a grid dimension of 0 is not allowed)
         block_rows, block_cols, num_warps = _forward_config(n_cols)
         # The grid: one program per block of rows.
-        _rmsnorm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x_rows, weight, y, rstd,
-            x_rows.stride(0), y.stride(0),
-            n_rows, n_cols, eps,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
-        )
+        with _on_tensor_device(x):
+            _rmsnorm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
+                x_rows, weight, y, rstd,
+                x_rows.stride(0), y.stride(0),
+                n_rows, n_cols, eps,
+                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+            )
     return y.view(x.shape), rstd
 
 
@@ -278,9 +291,10 @@ def rmsnorm_backward(dy, x, weight, rstd):
         raise ValueError(f"rmsnorm_backward: dy of shape {tuple(dy.shape)} does not match x of shape {tuple(x.shape)}")
     x_rows = _as_rows(x)
     dy_rows = _as_rows(dy)
+    weight = weight.contiguous()
     n_rows, n_cols = x_rows.shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    if n_rows == 0:
+    if dx.numel() == 0:
         return dx.view(x.shape), torch.zeros_like(weight)
     block_rows, block_cols, num_warps, num_stages = _backward_config(n_cols)
     n_row_blocks = triton.cdiv(n_rows, block_rows)
@@ -292,12 +306,13 @@ def rmsnorm_backward(dy, x, weight, rstd):
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
         n_programs = min(n_row_blocks, sm_count)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
-    _rmsnorm_backward_kernel[(n_programs,)](
-        dy_rows, x_rows, weight, rstd, dx, dw_partial,
-        dy_rows.stride(0), x_rows.stride(0), dx.stride(0),
-        n_rows, n_cols,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps,
-    )
+    with _on_tensor_device(x):
+        _rmsnorm_backward_kernel[(n_programs,)](
+            dy_rows, x_rows, weight, rstd, dx, dw_partial,
+            dy_rows.stride(0), x_rows.stride(0), dx.stride(0),
+            n_rows, n_cols,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps,
+        )
     # A [n_programs, H] fp32 sum: a few MB at most, and deterministic.
     dw = dw_partial.sum(dim=0).to(weight.dtype)
     return dx.view(x.shape), dw

@@ -41,8 +41,10 @@ ERROR_FACTOR = 1.5
 SMALL_TENSOR_FACTOR = 4.0
 ERROR_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}
 
-# (leading shape, hidden): odd hidden sizes, 3-D inputs; LLaMA's shape only on the GPU (the interpreter is slow).
-SHAPES = [((5,), 17), ((2, 3), 1000), ((7,), 5120), ((3, 1, 4), 64)]
+# (leading shape, hidden): odd hidden sizes, 3-D inputs, and 600 rows of 96: five row blocks on the interpreter, more
+# than its four backward programs, so a program's loop runs twice and adds to its weight-gradient sum. LLaMA's shape
+# only on the GPU (the interpreter is slow).
+SHAPES = [((5,), 17), ((2, 3), 1000), ((7,), 5120), ((3, 1, 4), 64), ((3, 200), 96)]
 if not ON_CPU:
     SHAPES += [((4, 512), 4096), ((1000,), 8192), ((3, 2049), 4096)]
 LAYOUTS = ["contiguous", "row_strided", "transposed"]
@@ -81,14 +83,22 @@ def make_tensor(lead, hidden, dtype, layout, row_gap=9):
     raise ValueError(layout)
 
 
-def check_against_reference(lead, hidden, dtype, layout, eps=1e-5, weight_dtype=None):
-    """Run ours and PyTorch's math on the same inputs; compare both with float64. Returns the errors."""
+def leaf_like(t):
+    """A fresh leaf tensor equal to t with t's strides, gaps between rows included (clone() would close the gaps of a
+    tensor that is not dense, and the kernels' row strides would go untested)."""
+    leaf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return leaf.copy_(t).requires_grad_()
+
+
+def check_against_reference(lead, hidden, dtype, layout, eps=1e-5, weight_dtype=None, weight_step=1):
+    """Run ours and PyTorch's math on the same inputs; compare both with float64. Returns the errors. weight_step > 1
+    makes the weight a strided view (every weight_step-th element of a longer buffer)."""
     seed = fresh_seed()
     weight_dtype = weight_dtype or dtype
     x = make_tensor(lead, hidden, dtype, layout)
     # The upstream gradient gets a different row stride from x: the kernel must not read one with the other's.
     dy = make_tensor(lead, hidden, torch.promote_types(dtype, weight_dtype), layout, row_gap=3)
-    weight = (1.0 + 0.5 * torch.randn(hidden, device=DEVICE)).to(weight_dtype)
+    weight = (1.0 + 0.5 * torch.randn(hidden * weight_step, device=DEVICE)).to(weight_dtype)[::weight_step]
 
     # float64 reference on the same (already rounded) values.
     x64 = x.detach().double().requires_grad_()
@@ -102,9 +112,9 @@ def check_against_reference(lead, hidden, dtype, layout, eps=1e-5, weight_dtype=
     y_t = llama_rmsnorm_math(x_t, w_t, eps)
     y_t.backward(dy)
 
-    # Ours.
-    x_o = x.detach().clone().requires_grad_()
-    w_o = weight.detach().clone().requires_grad_()
+    # Ours, on leaves laid out as x and the weight are.
+    x_o, w_o = leaf_like(x), leaf_like(weight)
+    assert x_o.stride() == x.stride() and w_o.stride() == weight.stride()
     y_o = rms_norm(x_o, w_o, eps)
     y_o.backward(dy)
 
@@ -143,6 +153,23 @@ def test_fp32_weight_with_bf16_input_promotes_like_llama():
 def test_eps_zero_is_allowed():
     # eps = 0 is a valid (if unusual) choice: no row of random data has a zero mean square.
     check_against_reference((6,), 130, torch.bfloat16, "contiguous", eps=0.0)
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_strided_weight(dtype_name):
+    # rms_norm takes any weight tensor, e.g. a strided slice of a bigger parameter: the kernels read it with unit
+    # stride, so the launcher must hand them a contiguous one.
+    check_against_reference((2, 9), 200, DTYPES[dtype_name], "contiguous", weight_step=3)
+
+
+def test_zero_hidden_size_gives_empty_output():
+    # LlamaRMSNorm(0) returns an empty [rows, 0] tensor: nothing to normalize, nothing to launch.
+    x = torch.randn(4, 0, device=DEVICE, requires_grad=True)
+    weight = torch.randn(0, device=DEVICE, requires_grad=True)
+    y = rms_norm(x, weight)
+    assert y.shape == (4, 0)
+    y.sum().backward()
+    assert x.grad.shape == (4, 0) and weight.grad.shape == (0,)
 
 
 def test_empty_input():

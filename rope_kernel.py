@@ -231,8 +231,9 @@ def _validate(q, k, cos, sin, who):
         if t.dim() != 3:
             raise ValueError(f"{who}: {name} must be 3-D [batch or 1, tokens, head_dim], got shape {tuple(t.shape)}")
     batch, _, n_tokens, head_dim = q.shape
-    if head_dim % 2:
-        raise ValueError(f"{who}: head_dim must be even (rotate_half splits it in two halves), got {head_dim}")
+    if head_dim == 0 or head_dim % 2:
+        raise ValueError(f"{who}: head_dim must be even and positive (rotate_half splits it in two halves), "
+                         f"got {head_dim}")
     if k.shape[0] != batch or k.shape[2] != n_tokens:
         raise ValueError(f"{who}: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same batch (dim 0) and "
                          f"tokens (dim 2)")

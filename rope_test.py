@@ -304,6 +304,7 @@ def _bad_inputs():
         ("k not 4-D", lambda: rope(q, k[0], cos, sin), ValueError, "k must be 4-D"),
         ("cos not 3-D", lambda: rope(q, k, cos[0], sin), ValueError, "cos must be 3-D"),
         ("odd head_dim", lambda: rope(*qkcs(head_dim=7)), ValueError, "even"),
+        ("head_dim 0", lambda: rope(*qkcs(head_dim=0)), ValueError, "even and positive"),
         ("head_dim mismatch k", lambda: rope(q, qkcs(head_dim=6)[1], cos, sin), ValueError, "head_dim mismatch"),
         ("head_dim mismatch cos", lambda: rope(q, k, cos[..., :6], sin), ValueError, "head_dim mismatch"),
         ("batch mismatch", lambda: rope(q, qkcs(batch=3)[1], cos, sin), ValueError, "same batch"),
