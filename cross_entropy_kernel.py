@@ -47,6 +47,8 @@ other GPU, and fp32 logits, take the row kernel.
 torch.compile traces both losses as custom operators (section 3, as in rmsnorm_kernel.py), extras included;
 inplace_backward=True cannot be compiled (a clear error).
 """
+import contextlib
+import math
 import os
 import sys
 from typing import NamedTuple, Optional
@@ -249,7 +251,7 @@ def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITI
 def _cross_entropy_kernel(
     logits_ptr,  # [N, V] rows (any row strides, unit column stride), fp32/bf16/fp16
     grad_ptr,  # where dlogits goes: its own buffer, or logits_ptr itself (in-place mode)
-    targets_ptr,  # [N] integer class indices (any integer dtype)
+    targets_ptr,  # [N] class indices, int64 or int32
     losses_ptr,  # [N] fp32 per-row losses (output)
     scale_ptr,  # fp32 gradient scale: one value (scale_stride = 0) or one per row
     n_rows,  # N, the rows of all programs together
@@ -519,17 +521,24 @@ _NO_CHUNK = tl.constexpr(2**31 - 1)  # a lane's chunk before any, in Part 2: lar
 @triton.jit
 def _tanh(z, FAST_EXP2: tl.constexpr, FAST_TANH: tl.constexpr):
     """tanh(z). FAST_TANH (16-bit logits on the GPU): one tanh.approx.f32 instruction, relative error about 2^-11,
-    below the logits' own rounding (2^-9 for bf16). Otherwise 1 - 2 / (exp(2z) + 1): one exp2 and one reciprocal,
-    accurate to about 1e-7. The multi-function unit that runs tanh, exp2 and reciprocal does 16 per cycle per
-    multiprocessor, an eighth of the FMA rate: with a tanh and an exp2 per logit in each pass it sets the softcap's
-    pace, not memory (see results/NOTES.md). -inf gives -1."""
+    below the logits' own rounding (2^-9 for bf16). Otherwise 1 - 2 / (exp(2z) + 1), one exp2 and one reciprocal,
+    and for |z| < 0.4, where that difference cancels (a large softcap makes every z small), tanh's Taylor series to
+    z^13 (the next term is below 1e-8 of tanh there): relative error about 2e-7. The multi-function unit that runs
+    tanh, exp2 and reciprocal does 16 per cycle per multiprocessor, an eighth of the FMA rate: with a tanh and an exp2
+    per logit in each pass it sets the softcap's pace, not memory (see results/NOTES.md). -inf gives -1."""
     if FAST_TANH:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
                                          pack=1)
     y = z * (2.0 * LOG2E)
     if INTERPRETER:
         y = tl.minimum(y, 126.0)  # numpy warns when exp2 overflows to inf (on the GPU: inf, then 1, silently)
-    return 1.0 - 2.0 * _reciprocal(_exp2(y, FAST_EXP2) + 1.0, FAST_EXP2)
+    tanh_far = 1.0 - 2.0 * _reciprocal(_exp2(y, FAST_EXP2) + 1.0, FAST_EXP2)
+    z2 = z * z
+    # z - z^3/3 + 2z^5/15 - 17z^7/315 + 62z^9/2835 - 1382z^11/155925 + 21844z^13/6081075, by Horner's rule in z^2
+    series = (21844.0 / 6081075.0) * z2 - 1382.0 / 155925.0
+    series = ((series * z2 + 62.0 / 2835.0) * z2 - 17.0 / 315.0) * z2 + 2.0 / 15.0
+    tanh_near = z + z * z2 * (series * z2 - 1.0 / 3.0)
+    return tl.where(tl.abs(z) < 0.4, tanh_near, tanh_far)
 
 
 @triton.jit
@@ -694,19 +703,32 @@ def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties,
     return plan
 
 
+def _on_tensor_device(t):
+    """Triton launches on the CURRENT CUDA device and its stream: switch to t's GPU when it is another one (a model
+    spread over GPUs with device_map), and only then, because entering torch.cuda.device() on every call costs host
+    time in a host-bound step."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def _check_same_device(who, name, tensor, device):
     if tensor.device != device:
         raise ValueError(f"{who}: {name} is on {tensor.device} but the logits are on {device}; put them on one device")
 
 
 def _check_targets_dtype(who, targets):
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"{who}: targets must hold integer class indices, got dtype {targets.dtype}")
+    """int64 (PyTorch's class-index dtype) or int32. Narrower integers cannot hold ignore_index = -100 next to a
+    128256-word vocabulary, and uint8 would turn -100 into 156, a real class, in the host's comparisons."""
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{who}: targets must be int64 (or int32) class indices, got dtype {targets.dtype}")
 
 
 def _check_common_args(who, reduction, label_smoothing):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{who}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"{who}: label_smoothing must be a Python number, got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{who}: label_smoothing must be in [0, 1], got {label_smoothing}")
 
@@ -726,15 +748,18 @@ def _check_extras(who, weight, lse_square_scale, softcap, return_flags, V=None, 
         if device is not None and weight.device != device:
             raise ValueError(f"{who}: {weight_name} (class weights) is on {weight.device}, the other inputs on "
                              f"{device}; put them on one device")
+    # The kernels take both as fp32 and the softcap's slope divides by softcap^2: the values must survive that.
+    fp32 = torch.finfo(torch.float32)
+    ranges = {"lse_square_scale": (0.0, fp32.max), "softcap": (math.sqrt(fp32.tiny), math.sqrt(fp32.max))}
     for name, value in (("lse_square_scale", lse_square_scale), ("softcap", softcap)):
         if name == "softcap" and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{who}: {name} must be a Python number, got {type(value).__name__}")
-        low_ok = value >= 0 if name == "lse_square_scale" else value > 0
-        if not (low_ok and value < float("inf")):  # also false for NaN
-            raise ValueError(f"{who}: {name} must be finite and {'>= 0' if name == 'lse_square_scale' else '> 0'}"
-                             f"{' (None: no softcap)' if name == 'softcap' else ''}, got {value}")
+        low, high = ranges[name]
+        if not low <= value <= high:  # also false for NaN
+            raise ValueError(f"{who}: {name} must be in [{low:.3g}, {high:.3g}] (finite in float32"
+                             f"{', its square too; None: no softcap' if name == 'softcap' else ''}), got {value}")
     for name, flag in return_flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{who}: {name} must be True or False, got {flag!r}")
@@ -852,28 +877,30 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
         assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
         # One program per multiprocessor on the GPU (it takes the shared memory); the interpreter runs them in turn.
         n_programs = min(n_rows, properties.multi_processor_count if on_gpu else 4)
-        _cross_entropy_smem_kernel[(n_programs,)](
-            logits, grad, targets_flat, losses, scale,
-            n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
-            targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
-            BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
-            HAS_SMOOTHING=label_smoothing > 0.0, POSITIVE_SCALE=positive_scale,
-            FAST_EXP2=on_gpu, NUM_WARPS=num_warps, num_warps=num_warps, **extra_switches,
-        )
+        with _on_tensor_device(logits):
+            _cross_entropy_smem_kernel[(n_programs,)](
+                logits, grad, targets_flat, losses, scale,
+                n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
+                targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
+                BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
+                HAS_SMOOTHING=label_smoothing > 0.0, POSITIVE_SCALE=positive_scale,
+                FAST_EXP2=on_gpu, NUM_WARPS=num_warps, num_warps=num_warps, **extra_switches,
+            )
         return
     block_v, num_warps, chunks_per_step, maxnreg = _launch_shape(V, logits.element_size(), on_gpu, block_v)
     assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
     # The interpreter runs programs one after another anyway: a few suffice there.
     n_programs = min(n_rows, _PROGRAMS_PER_SM * properties.multi_processor_count if on_gpu else 4)
-    _cross_entropy_kernel[(n_programs,)](
-        logits, grad if compute_grad else logits, targets_flat, losses, scale,
-        n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
-        targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
-        BLOCK_V=block_v, LANE_WIDTH=min(_LANE_WIDTH, block_v), HAS_SMOOTHING=label_smoothing > 0.0,
-        COMPUTE_GRAD=compute_grad, POSITIVE_SCALE=positive_scale, FAST_EXP2=on_gpu,
-        CHUNKS_PER_STEP=chunks_per_step, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
-        **extra_switches,
-    )
+    with _on_tensor_device(logits):
+        _cross_entropy_kernel[(n_programs,)](
+            logits, grad if compute_grad else logits, targets_flat, losses, scale,
+            n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
+            targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
+            BLOCK_V=block_v, LANE_WIDTH=min(_LANE_WIDTH, block_v), HAS_SMOOTHING=label_smoothing > 0.0,
+            COMPUTE_GRAD=compute_grad, POSITIVE_SCALE=positive_scale, FAST_EXP2=on_gpu,
+            CHUNKS_PER_STEP=chunks_per_step, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+            **extra_switches,
+        )
 
 
 def _reduction_scale(targets, ignore_index, reduction, weight=None):
@@ -998,8 +1025,9 @@ def _scale_rows_(x, scale):
     rows_per_batch, stride_b, stride_t = _row_layout(x)
     block = min(256 if INTERPRETER else 4096, triton.next_power_of_2(n_cols))
     # One warp (32 threads) per 1024 elements of a block, i.e. 32 values per thread, between 4 and 32 warps.
-    _scale_rows_kernel[(n_rows,)](x, scale, n_cols, rows_per_batch, stride_b, stride_t, scale_stride,
-                                  BLOCK=block, num_warps=min(32, max(4, block // 1024)))
+    with _on_tensor_device(x):
+        _scale_rows_kernel[(n_rows,)](x, scale, n_cols, rows_per_batch, stride_b, stride_t, scale_stride,
+                                      BLOCK=block, num_warps=min(32, max(4, block // 1024)))
     return x
 
 
@@ -1169,7 +1197,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
                   return_token_accuracy=False, return_predicted_tokens=False):
     """`F.cross_entropy(logits, targets, ...)` for class-index targets, fused; returns the loss in fp32.
 
-    logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T] of any integer dtype.
+    logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T], int64 or int32.
     reduction "mean" (over non-ignored rows), "sum" or "none" (per-row losses in the targets' shape, 0 for ignored
     rows). Ignored rows get an exactly zero gradient. As in PyTorch, a mean over no rows (every target ignored, or an
     empty input with N = 0) is NaN, with a zero (or empty) gradient; "sum" gives 0 and "none" an empty tensor.
@@ -1177,9 +1205,10 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
     buffer). Contract: after this call the logits tensor holds the gradient, so it must not be used again (fine for
     lm_head's output: a matmul's backward needs its inputs, not its output; if another op saved the logits for its
-    backward, autograd raises). Otherwise one gradient buffer of the logits' size is allocated. torch.compile traces
-    the call as the operator torch.ops.playbook.cross_entropy, where inplace_backward=True raises ValueError (an
-    operator with a backward may not overwrite its input).
+    backward, autograd raises). Logits whose last dimension is not contiguous are copied first (the kernels need unit
+    column stride) and the gradient goes into that copy. Otherwise one gradient buffer of the logits' size is
+    allocated. torch.compile traces the call as the operator torch.ops.playbook.cross_entropy, where
+    inplace_backward=True raises ValueError (an operator with a backward may not overwrite its input).
 
     Targets outside [0, V) other than ignore_index are never used as addresses; their rows' loss and gradient are NaN.
     check_targets=True validates them on the host first and raises ValueError (a device sync: a debug mode).
@@ -1318,6 +1347,8 @@ def _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, lab
     if weight.dtype != hidden.dtype:
         raise TypeError(f"{who}: weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
     if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{who}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"{who}: bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype:

@@ -473,6 +473,13 @@ def _bad_input_cases():
         ("negative softcap", ValueError, lambda: ck.cross_entropy(x, t, softcap=-30.0)),
         ("infinite softcap", ValueError, lambda: ck.cross_entropy(x, t, softcap=float("inf"))),
         ("NaN softcap", ValueError, lambda: ck.cross_entropy(x, t, softcap=float("nan"))),
+        ("softcap whose square underflows fp32", ValueError, lambda: ck.cross_entropy(x, t, softcap=1e-20)),
+        ("softcap whose square overflows fp32", ValueError, lambda: ck.cross_entropy(x, t, softcap=1e20)),
+        ("lse_square_scale beyond fp32", ValueError, lambda: ck.cross_entropy(x, t, lse_square_scale=1e39)),
+        ("uint8 targets", TypeError, lambda: ck.cross_entropy(x, t.to(torch.uint8))),
+        ("int16 targets", TypeError, lambda: ck.cross_entropy(x, t.to(torch.int16))),
+        ("label_smoothing a string", TypeError, lambda: ck.cross_entropy(x, t, label_smoothing="0.1")),
+        ("linear: bias a list", TypeError, lambda: ck.linear_cross_entropy(h, w, t, bias=[0.0] * 50)),
         ("return flag not a bool", TypeError, lambda: ck.cross_entropy(x, t, return_token_accuracy=1)),
         ("launcher: weight shape", ValueError,
          lambda: ck.cross_entropy_forward(x, t, weight=torch.rand(5, device=DEVICE))),
@@ -546,14 +553,6 @@ def test_empty_input(reduction, shape):
             assert out.token_accuracy.shape == shape and out.z_loss.shape == shape
         else:
             assert torch.isnan(out.token_accuracy) and torch.isnan(out.z_loss) == (reduction == "mean")
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -758,7 +757,7 @@ def test_linear_no_grad_and_errors():
     assert not loss.requires_grad and rel_err(loss, ref) <= LOSS_FP32_TOL
     loss = ck.linear_cross_entropy(hidden.requires_grad_(), weight, targets, chunk_size=5)
     torch.autograd.grad(loss, hidden, retain_graph=True)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="can run once"):
         torch.autograd.grad(loss, hidden)
 
 
@@ -881,6 +880,9 @@ EXTRA_CASES = [
     case(dtype="bf16", shape=(9, 1520), reduction="mean", ignore_frac=0.2, softcap=3.0, kernel="smem", block_v=256,
          n_streamed=3, n_ring=2),
     case(dtype="fp16", shape=(2, 6, 600), reduction="none", ignore_frac=0.2, softcap=4.0, kernel="rows", block_v=128),
+    # a large softcap makes tanh's argument small, where 1 - 2 / (exp(2z) + 1) cancels (fp32 logits take that form)
+    case(dtype="fp32", shape=(8, 300), reduction="mean", ignore_frac=0.2, softcap=1e3, kernel="rows", block_v=128),
+    case(dtype="fp32", shape=(2, 3, 520), reduction="none", ignore_frac=0.2, softcap=1e5),
     case(dtype="bf16", shape=(12, 1000), reduction="mean", ignore_frac=0.2, returns=("acc", "pred")),
     case(dtype="fp32", shape=(3, 4, 300), reduction="none", ignore_frac=0.25, returns=("acc",)),
     case(dtype="bf16", shape=(13, 2000), reduction="sum", ignore_frac=0.2, returns=("acc", "pred"), kernel="smem",
@@ -1019,6 +1021,7 @@ def test_extras_output_and_autograd():
     (grad,) = torch.autograd.grad(loss, logits)
     ref_loss, ref_grad, _, _ = reference_extras(logits, targets, torch.tensor(1.0, device=DEVICE), torch.float64,
                                                 lse_square_scale=1e-3)
+    assert rel_err(out.loss, ref_loss) <= LOSS_FP32_TOL, "the loss with its z-loss term"
     assert rel_err(grad, ref_grad) <= GRAD_FLOOR[torch.float32] * 10
     module = ck.TritonCrossEntropyLoss(lse_square_scale=1e-3, return_z_loss=True, return_token_accuracy=True)
     module_out = module(logits, targets)
@@ -1044,7 +1047,18 @@ LCE_EXTRA_CASES = [
          weight=True, lse_square_scale=1e-2, softcap=5.0, returns=("z", "acc", "pred"), use_module=True),
     case(dtype="fp32", hidden_shape=(16, 16), V=100, reduction="mean", ignore_frac=1.0, chunk_size=5, weight=True,
          lse_square_scale=1e-2, returns=("z", "acc", "pred")),
+    # 16-bit logits over five 256-wide chunks: on the interpreter, the chunks' logits take the shared-memory kernel
+    # (see the test below; a GPU sends chunks of 7 rows to the row kernel)
+    case(dtype="bf16", hidden_shape=(2, 9, 24), V=1040, reduction="mean", ignore_frac=0.2, bias=True, chunk_size=7,
+         weight=True, lse_square_scale=1e-2, label_smoothing=0.1, returns=("z", "acc", "pred")),
 ]
+
+
+def test_linear_extras_cases_cover_both_kernels_on_the_interpreter():
+    """The launcher's choice for the last two LCE_EXTRA_CASES chunks on the interpreter (no GPU properties): the last
+    (bf16, V = 1040, 7-row chunks) takes the shared-memory kernel, the one before it (fp32) the row kernel."""
+    assert ck._pick_smem_plan(1040, 2, 7, True, True, None) is not None
+    assert ck._pick_smem_plan(100, 4, 5, True, True, None) is None
 
 
 def check_linear_extras(dtype, hidden_shape, V, reduction, ignore_frac, bias=False, chunk_size=None, weight=False,
@@ -1202,11 +1216,13 @@ def test_linear_llama_sizes():
 @gpu_only
 def test_extras_llama_sizes():
     """Every extra (Gemma-2's softcap 30) at LLaMA-3 sizes in bf16 against float64: the launcher's default kernel
-    (the shared-memory one on an H100/H200), the row kernel in place, and the linear cross-entropy."""
-    options = dict(weight=True, lse_square_scale=1e-4, softcap=30.0, label_smoothing=0.1, returns=("z", "acc", "pred"))
+    (the shared-memory one on an H100/H200), the row kernel in place, and the linear cross-entropy. The z-loss scale
+    is 1e-2, not PaLM's 1e-4: its gradient, 2 * scale * lse * softmax with lse about 12, must stand well above bf16's
+    rounding for a missing or wrong z-loss gradient to fail."""
+    options = dict(weight=True, lse_square_scale=1e-2, softcap=30.0, label_smoothing=0.1, returns=("z", "acc", "pred"))
     check_extras("bf16", (4096, LLAMA_V), "mean", 0.2, **options)
     check_extras("bf16", (2048, LLAMA_V), "none", 0.2, kernel="rows", inplace=True, **options)
-    check_linear_extras("bf16", (2048, LLAMA_H), LLAMA_V, "mean", 0.2, lse_square_scale=1e-4,
+    check_linear_extras("bf16", (2048, LLAMA_H), LLAMA_V, "mean", 0.2, lse_square_scale=1e-2,
                         returns=("z", "acc", "pred"))
 
 
