@@ -2157,6 +2157,8 @@ def _main(argv=None):
                         help="hidden size H of the linear cross-entropy (default: 4096 on a GPU, 32 on the CPU)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="logits dtype")
     args = parser.parse_args(argv)
+    if min(args.rows, args.vocab, args.hidden) < 1:
+        parser.error(f"need --rows, --vocab and --hidden >= 1, got {args.rows}, {args.vocab} and {args.hidden}")
     import torch.nn.functional as F
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

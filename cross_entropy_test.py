@@ -517,6 +517,15 @@ def test_bad_inputs():
                 f"{name}: the message should start with the function's name: {exc}"
 
 
+@pytest.mark.parametrize("argv", [["--vocab", "0"], ["--rows", "-1"], ["--hidden", "0"]])
+def test_kernel_script_refuses_bad_sizes(argv, capsys):
+    """Run as a script, the kernel file answers a size it cannot run with one usage error (exit code 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        ck._main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("shape", [(0,), (2, 0)], ids=["N=0", "B=2,T=0"])
 def test_empty_input(reduction, shape):

@@ -498,8 +498,10 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim D (even)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16", help="dtype of q, k, cos, sin")
     args = parser.parse_args(argv)
-    if args.head_dim % 2:
-        parser.error(f"--head-dim must be even (rotate_half splits it in two halves), got {args.head_dim}")
+    if min(args.batch, args.tokens, args.q_heads, args.kv_heads) < 1:
+        parser.error("need --batch, --tokens, --q-heads and --kv-heads >= 1")
+    if args.head_dim < 2 or args.head_dim % 2:
+        parser.error(f"--head-dim must be even and positive (rotate_half splits it in two halves), got {args.head_dim}")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     B, T, D = args.batch, args.tokens, args.head_dim
 

@@ -332,6 +332,15 @@ def test_bad_input(name):
         call()
 
 
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--head-dim", "0"], ["--head-dim", "7"]])
+def test_kernel_script_refuses_bad_sizes(argv, capsys):
+    """Run as a script, the kernel file answers a size it cannot run with one usage error (exit code 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        rope_kernel.main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The transformers integration: a tiny LlamaForCausalLM with random weights, with and without the patch
 # ----------------------------------------------------------------------------------------------------------------------

@@ -479,6 +479,8 @@ def main(argv=None):
                         help="intermediate size (LLaMA-3.1-8B: 14336)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16", help="dtype of gate and up")
     args = parser.parse_args(argv)
+    if args.rows < 1 or args.intermediate < 1:
+        parser.error(f"need --rows >= 1 and --intermediate >= 1, got {args.rows} and {args.intermediate}")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
 
     torch.manual_seed(0)

@@ -189,6 +189,15 @@ def test_bad_input(name):
         call()
 
 
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--intermediate", "-3"]])
+def test_kernel_script_refuses_bad_sizes(argv, capsys):
+    """Run as a script, the kernel file answers a size it cannot run with one usage error (exit code 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        swiglu_kernel.main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_inplace_backward(dtype_name):
     """inplace_backward=True: the same bits as the default, the gradients written over gate and up (no new buffers),
