@@ -923,7 +923,9 @@ def _reduction_scale(targets, ignore_index, reduction, weight=None):
 
 def _reduce(losses, reduction, denominator, targets_shape):
     if reduction == "mean":
-        return losses.sum() / denominator  # 0 / 0 = NaN when no row counts (all ignored, or none), as in PyTorch
+        # A mean over nothing is NaN, as in PyTorch: no row counts (all ignored, or none), or every counted target's
+        # class weight is 0, where label smoothing still leaves positive losses (which would give inf).
+        return torch.where(denominator != 0, losses.sum() / denominator, float("nan"))
     if reduction == "sum":
         return losses.sum()
     return losses.view(targets_shape)

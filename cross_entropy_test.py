@@ -20,6 +20,7 @@ the shared-memory kernel is the default, the extras at LLaMA-3 sizes) are skippe
 """
 import argparse
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -1012,6 +1013,28 @@ def test_argmax_ties(kernel, softcap):
                                       **({"n_streamed": 3, "n_ring": 2} if kernel == "smem" else {}))
     assert torch.equal(out.predicted_tokens, expected), f"{out.predicted_tokens} != {expected}"
     assert out.token_accuracy == 1 / len(ties)  # only the one-column row predicts its target
+
+
+@pytest.mark.parametrize("kernel", ["rows", "smem"])
+def test_mean_over_zero_class_weight_is_nan(kernel):
+    """Every non-ignored target's class weight is 0: "mean" divides by 0 and PyTorch returns NaN, with label smoothing
+    too (whose term leaves positive losses on those rows, which alone would give inf), and a gradient that is not
+    finite on the counted rows and 0 on the ignored ones."""
+    if kernel == "smem" and not SMEM_RUNS_HERE:
+        pytest.skip("the shared-memory kernel runs only on compute capability 9.x GPUs (and the CPU interpreter)")
+    V = 520
+    logits = (torch.randn(6, V, device=DEVICE) * 3).to(torch.bfloat16)
+    targets = make_targets((6,), V, 0.3).to(DEVICE)
+    weight = torch.rand(V, device=DEVICE) + 0.5
+    weight[targets[targets != -100]] = 0.0
+    expected = F.cross_entropy(logits.double(), targets, weight=weight.double(), label_smoothing=0.1)
+    with warnings.catch_warnings():  # the gradient's scale is 1 / 0: the interpreter warns about inf * 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loss, grad = ck.cross_entropy_forward(logits, targets, weight=weight, label_smoothing=0.1, kernel=kernel,
+                                              block_v=256)
+    assert torch.isnan(expected) and torch.isnan(loss), f"ours {loss}, PyTorch {expected}"
+    ignored = targets == -100
+    assert torch.all(grad[ignored] == 0) and not torch.any(torch.isfinite(grad[~ignored].float()).all(dim=-1))
 
 
 def test_extras_output_and_autograd():
