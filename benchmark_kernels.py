@@ -348,7 +348,7 @@ register(KernelSpec(
     providers=(
         Provider("ours", _ours_cross_entropy, _OURS_CE_NOTE, ours=True),
         Provider("ours_inplace", lambda: _ours_cross_entropy(inplace_backward=True),
-                 "as ours, gradient written into the logits buffer (+0 MB); timed calls reuse the overwritten buffer "
+                 "as ours, gradient written into the logits buffer (+0 MiB); timed calls reuse the overwritten buffer "
                  "(same bytes and work), correctness uses fresh logits", ours=True),
         Provider("torch_fp32", lambda **options: functools.partial(torch_fp32_cross_entropy, **options),
                  "logits.float() copy, fp32 log_softmax saved for the backward"),
@@ -639,8 +639,8 @@ def errors_of(results, ref):
     return {name: relative_error(results.get(name), ref_value) for name, ref_value in ref.items()}
 
 
-def peak_mb_above_inputs(fn, case):
-    """Peak memory of one forward+backward above what was allocated before it (inputs exist already)."""
+def peak_mib_above_inputs(fn, case):
+    """Peak memory of one forward+backward above what was allocated before it (inputs exist already), in MiB."""
     if not ON_GPU:
         return None
     args, dy = case.fresh()
@@ -748,7 +748,8 @@ def measure_copy_bandwidth(copy_gib):
 def kernel_dims(spec, args):
     """The kernel's dimensions: a --<dim> option when given, else the kernel's GPU or CPU default."""
     defaults = spec.dims_gpu if ON_GPU else spec.dims_cpu
-    return {name: getattr(args, name, None) or default for name, default in defaults.items()}
+    return {name: default if getattr(args, name, None) is None else getattr(args, name)
+            for name, default in defaults.items()}
 
 
 def kernel_tokens(spec, args):
@@ -851,7 +852,7 @@ def benchmark_kernel(kernel, args, copy_gbps):
                 row_head.update(error=err or None, check=check)
                 if not passed and provider.ours:
                     failures.append(f"{kernel}/{provider.name} N={tokens}: error {err} above the limit {limits}")
-                row_head["peak_mb"] = peak_mb_above_inputs(fn, case)
+                row_head["peak_mb"] = peak_mib_above_inputs(fn, case)  # in MiB; the name the results/ files use
                 phases, bwd_method, host = time_phases(fn, case, args.rep_ms, args.warmup_ms)
             except Exception as exc:  # a provider that breaks is a row, not a crash
                 if ON_GPU and isinstance(exc, torch.cuda.OutOfMemoryError):
@@ -943,7 +944,7 @@ def print_table(kernel, rows):
     headers = ["provider", "tokens", "fwd ms", "bwd ms", "fwd+bwd ms", "f+b host ms"]
     headers += ["fwd+bwd TFLOP/s"] if spec.flops else []
     headers += ["fwd GB/s", "fwd % copy", "fwd+bwd GB/s", "fwd+bwd % copy"] if spec.bytes else []
-    headers += [f"speedup vs {baseline}", "peak MB", "mem. red. %", "max error", "check"]
+    headers += [f"speedup vs {baseline}", "peak MiB", "mem. red. %", "max error", "check"]
     dtype = next((r["dtype"] for r in rows if r["kernel"] == kernel), "")
     print(f"\n=== {kernel} ({dtype}) ===")
     if table:
@@ -968,7 +969,8 @@ def legend(kernel, fixed_dims):
                                   f"{HOST_TIMED_CALLS} calls back to back): close to fwd+bwd ms, the host (Python, "
                                   "autograd, launches) sets the time, not the kernels")]
         copy = "the device-to-device copy measured in this run"
-        peak = [("peak MB", "peak memory of one fwd+bwd above the inputs (gradients included)"),
+        peak = [("peak MiB", "peak memory of one fwd+bwd above the inputs (gradients included), in MiB (2**20 bytes; "
+                             "peak_mb in the JSON rows)"),
                 ("mem. red.", f"1 - peak / {baseline}'s peak, in %")]
     else:
         timing = [("fwd ms", f"forward median of {CPU_TIMED_CALLS} time.perf_counter calls on the CPU, our kernels on "
@@ -978,7 +980,7 @@ def legend(kernel, fixed_dims):
                   ("f+b host ms", f"time.perf_counter of {HOST_TIMED_CALLS} more fwd+bwd call (no GPU runs behind: "
                                   "the same as fwd+bwd ms)")]
         copy = f"a {CPU_COPY_BYTES >> 20} MiB CPU copy timed the same way (not meaningful either)"
-        peak = [("peak MB", "- (not measured on the CPU)"), ("mem. red.", "- (not measured on the CPU)")]
+        peak = [("peak MiB", "- (not measured on the CPU)"), ("mem. red.", "- (not measured on the CPU)")]
     entries = [("provider", "the implementation (ours = this repo's kernel module; the JSON rows' notes say more)"),
                ("tokens", f"N, the rows of the inputs ({fixed_dims}; dtype in the title)"), *timing]
     if spec.flops:
@@ -1035,7 +1037,7 @@ def plot(kernel, rows, path, header):
         ax_rate.set(ylabel=f"% of copy bandwidth (bytes {spec.bytes['fwd+bwd'].formula})",
                     title=f"bandwidth (100 % = copy, {header['copy_gbps']:.0f} GB/s)")
     if with_memory:
-        axes[2].set(ylabel="peak MB above inputs (one fwd+bwd)", title="memory")
+        axes[2].set(ylabel="peak MiB above inputs (one fwd+bwd)", title="memory")
     all_tokens = sorted({r["tokens"] for r in timed})
     for ax in axes:
         ax.set_xscale("log", base=2)
@@ -1107,7 +1109,7 @@ def default_out_path(kernels, args):
         parts.append(args.dtype)
     if args.tokens:
         parts.append("n" + "-".join(map(str, args.tokens)))
-    parts += [f"{name.replace('_', '')}{getattr(args, name)}" for name in all_dims() if getattr(args, name)]
+    parts += [f"{name.replace('_', '')}{getattr(args, name)}" for name in all_dims() if getattr(args, name) is not None]
     if args.providers:
         parts.append("+".join(_slug(p) for p in args.providers))
     if args.chunk_sizes:
@@ -1115,6 +1117,14 @@ def default_out_path(kernels, args):
     if args.seed:
         parts.append(f"seed{args.seed}")
     return RUNS_DIR / ("_".join(parts) + ".json")
+
+
+def out_paths(args):
+    """{kernel: the JSON path its rows go to}: --out with "{kernel}" filled in, --out, or the default name."""
+    if args.out and "{kernel}" in args.out:
+        return {kernel: Path(args.out.replace("{kernel}", kernel)) for kernel in args.kernel}
+    single = Path(args.out) if args.out else default_out_path(args.kernel, args)
+    return {kernel: single for kernel in args.kernel}
 
 
 def png_path(json_path, kernel):
@@ -1158,19 +1168,31 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Defaults shown after each option; the docstring and the kernel list printed as written."""
 
 
+def positive(kind):
+    """An argparse type: a number of `kind` (int or float) above 0 and finite, for the options that give a size, a
+    count or a time. Zero or less would time nothing, or fail inside the run as if a kernel had failed."""
+    def parse(text):
+        value = kind(text)  # a ValueError makes argparse say "invalid positive int value: 'x'"
+        if not 0 < value < math.inf:  # also false for nan
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, epilog=registry_summary(), formatter_class=_HelpFormatter)
     parser.add_argument("--kernel", nargs="+", default=["all"], choices=[*KERNELS, "all"], metavar="KERNEL",
                         help=f"which kernel(s) to benchmark: {', '.join(KERNELS)} or all")
     parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES), help="dtype of the inputs")
-    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+    parser.add_argument("--tokens", type=positive(int), nargs="+", default=None,
                         help="token counts N (rows) for every selected kernel; None = each kernel's GPU or CPU tokens "
                              "(listed below)")
     for name, defaults in all_dims().items():
         per_kernel = ", ".join(f"{kernel} {gpu} (CPU {cpu})" for kernel, (gpu, cpu) in defaults.items())
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+        parser.add_argument(f"--{name.replace('_', '-')}", type=positive(int), default=None,
                             help=f"{name} for every kernel that has it; None = {per_kernel}")
-    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=None,
+    parser.add_argument("--chunk-sizes", type=positive(int), nargs="+", default=None,
                         help="linear_cross_entropy: also time ours with these explicit chunk_size values "
                              "(providers ours_chunk<C>)")
     parser.add_argument("--providers", nargs="+", default=None,
@@ -1184,28 +1206,36 @@ def parse_args(argv=None):
     parser.add_argument("--plot", action="store_true",
                         help="also write one PNG per kernel, named after the JSON path: <JSON path without "
                              ".json>_<kernel>.png")
-    parser.add_argument("--copy-gib", type=float, default=2.0, help="GPU copy-bandwidth buffer size (GiB)")
-    parser.add_argument("--rep-ms", type=float, default=100, help="do_bench rep (ms of timed calls, per phase)")
-    parser.add_argument("--warmup-ms", type=float, default=25, help="do_bench warmup (ms)")
+    parser.add_argument("--copy-gib", type=positive(float), default=2.0, help="GPU copy-bandwidth buffer size (GiB)")
+    parser.add_argument("--rep-ms", type=positive(float), default=100,
+                        help="do_bench rep (ms of timed calls, per phase)")
+    parser.add_argument("--warmup-ms", type=positive(float), default=25, help="do_bench warmup (ms)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (the size is added: fresh data per size)")
     args = parser.parse_args(argv)
     args.kernel = list(KERNELS) if "all" in args.kernel else list(dict.fromkeys(args.kernel))
+    if args.chunk_sizes and "linear_cross_entropy" not in args.kernel:
+        parser.error("--chunk-sizes times linear_cross_entropy with those chunk sizes: add it to --kernel")
     if args.providers:
-        known = {p.name for spec in KERNELS.values() for p in spec.providers_for(args)}
-        unknown = sorted(set(args.providers) - known)
-        if unknown:
-            parser.error(f"unknown provider(s) {unknown}; known: {sorted(known)}")
+        # Each kernel runs the named providers that are its own: a name no chosen kernel has, or a kernel left with
+        # none of the names, would time nothing and still report PASSED.
+        valid = {kernel: [p.name for p in KERNELS[kernel].providers_for(args)] for kernel in args.kernel}
+        unknown = [name for name in args.providers if not any(name in names for names in valid.values())]
+        idle = [kernel for kernel, names in valid.items() if not set(args.providers) & set(names)]
+        if unknown or idle:
+            problem = (f"{' '.join(unknown)}: not a provider of --kernel {' '.join(args.kernel)}" if unknown else
+                       f"{' '.join(args.providers)}: none is a provider of {' '.join(idle)}, which would time nothing")
+            listing = "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in valid.items())
+            parser.error(f"--providers {problem}. The providers at --dtype {args.dtype}: {listing}")
+    for path in dict.fromkeys(out_paths(args).values()):  # checked now: the first file is written after a kernel
+        if path.is_dir():
+            parser.error(f"--out {path} is a directory: give the path of the JSON file to write")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     kernels = args.kernel
-    if args.out and "{kernel}" in args.out:
-        out_paths = {kernel: Path(args.out.replace("{kernel}", kernel)) for kernel in kernels}
-    else:
-        single = Path(args.out) if args.out else default_out_path(kernels, args)
-        out_paths = {kernel: single for kernel in kernels}
+    paths = out_paths(args)
     if ON_GPU:
         # torch.compile's AOTAutograd "donates" saved buffers to the backward, which then refuses retain_graph=True
         # (needed to time the backward alone). Off for the compiled providers; it changes memory reuse, not kernels.
@@ -1241,8 +1271,8 @@ def main(argv=None):
     for kernel in kernels:
         rows[kernel], failures[kernel] = benchmark_kernel(kernel, args, copy_gbps)
         # Written after every kernel, so a run cut short (time limit, crash) still leaves its finished kernels.
-        for path in dict.fromkeys(out_paths.values()):
-            mine = [k for k in kernels if out_paths[k] == path]
+        for path in dict.fromkeys(paths.values()):
+            mine = [k for k in kernels if paths[k] == path]
             done = [k for k in mine if k in rows]
             file_failures = [f for k in done for f in failures[k]]
             dims = {name: value for k in mine for name, value in kernel_dims(KERNELS[k], args).items()}
@@ -1256,11 +1286,11 @@ def main(argv=None):
     for kernel in kernels:
         print_table(kernel, all_rows)
     print()
-    for path in dict.fromkeys(out_paths.values()):
+    for path in dict.fromkeys(paths.values()):
         print(f"wrote {shown(path)}")
     if args.plot:
         for kernel in kernels:
-            written = plot(kernel, all_rows, png_path(out_paths[kernel], kernel), header)
+            written = plot(kernel, all_rows, png_path(paths[kernel], kernel), header)
             if written:
                 print(f"wrote {shown(written)}")
 

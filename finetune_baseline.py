@@ -10,7 +10,7 @@ finetune_optimized.py` shows exactly what they change. This one also offers the 
 apply_liger_kernel_to_llama). finetune_optimized.py has the same --compile, around its kernels. Both have --cuda-graph,
 which replays the whole step as one CUDA graph: the lever for steps the host cannot launch as fast as the GPU runs them.
 
-    python finetune_baseline.py                                 # 20 steps at 1x512 (tiny LLaMA on CPU)
+    python finetune_baseline.py                                 # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_baseline.py --seq-len 8192 --out results/finetune_baseline_1x8192.json
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
 
@@ -61,6 +61,8 @@ HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
+# The attention implementations transformers trains LLaMA with (its "paged|..." variants serve generation).
+ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 # Without a GPU, --compile uses aot_eager: it traces the step as inductor would (with fake tensors, through the kernels'
 # custom operators, into forward and backward graphs) but generates no code. Inductor's C++ for the CPU takes ~30 s to
 # compile even the tiny model on 2 cores and would speed up nothing that matters: the kernels run on the interpreter.
@@ -70,11 +72,15 @@ COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager"
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny",
+    # expanduser here, once: the weights and the tokenizer then read the same folder, also for --model=~/models/x
+    # (the shell expands a ~ only at the start of a word)
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
                         help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights '
                              '(CPU runs)')
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend")
+    parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
+                        help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, "
+                             "softmax, matmul; flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
     parser.add_argument("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
     parser.add_argument("--strict-weights", action="store_true",
                         help="fail instead of falling back to random weights when the weights cannot be loaded")
@@ -102,9 +108,10 @@ def build_parser():
                         help="instead of training: plot peak GPU memory against sequence length from the results "
                              "files of fine-tune runs and searches (ours, Liger, ...) into --out (a .png)")
     parser.add_argument("--warmup-seq-len", type=int, default=None,
-                        help="tokens per sequence of the warm-up step (default: --seq-len; 2048 for "
-                             "--seq-len-search). A short warm-up compiles the kernels and creates the optimizer state "
-                             "for a fraction of one long step")
+                        help="tokens per sequence of the warm-up step: at most --seq-len (default: --seq-len); with "
+                             "--seq-len-search any length (default: the first length searched, at most 2048). A short "
+                             "warm-up compiles the kernels and creates the optimizer state for a fraction of one long "
+                             "step")
     parser.add_argument("--grad-accum-steps", type=int, default=1,
                         help="micro-batches whose gradients are summed per optimizer step")
     # -- long sequences (the same flags in both scripts) ---------------------------------------------------------------
@@ -133,8 +140,9 @@ def build_parser():
                              "accelerate launch --multi_gpu --num_processes N; --batch-size is per rank (global batch "
                              "= N x --batch-size)")
     parser.add_argument("--out", default=None,
-                        help="JSON results path; when not given: runs/<script>_<model>-<weights>_<variant>_<data>_"
-                             "<optimizer>_<dtype>_<shape>[_fsdpN][_<option>=<value>...].json")
+                        help="JSON results path. Default: a file in runs/ named after the run: script, model-weights, "
+                             "variant, data, optimizer, dtype, shape, then fsdpN with --fsdp and option=value for "
+                             "every other option not at its default, joined by _")
     # -- torch.compile (the same flags in both scripts) ----------------------------------------------------------------
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model with its loss (compiled on the first warm-up step)")
@@ -161,6 +169,12 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
         parser.error("--seq-len must be at least 2: the loss predicts each next token, so 1 token has none")
+    if not 0 < args.lr < math.inf:  # also false for nan
+        parser.error(f"--lr must be a positive finite number, got {args.lr}")
+    if args.attn_implementation == "flex_attention" and not HAS_CUDA:
+        parser.error("--attn-implementation flex_attention needs a GPU: FlexAttention has no backward on the CPU")
+    if args.out and Path(args.out).is_dir():  # checked now: the results are written only at the end of the run
+        parser.error(f"--out {args.out} is a directory: give the path of the file to write")
     if args.compile_mode != "default" and not args.compile:
         parser.error("--compile-mode goes with --compile")
     if args.compile_mode != "default" and COMPILE_BACKEND != "inductor":
@@ -172,6 +186,9 @@ def parse_args(argv=None):
         parser.error("--plot writes a PNG: give its path with --out FILE.png")
     if args.warmup_seq_len is not None and args.warmup_seq_len < 2:
         parser.error("--warmup-seq-len must be at least 2 (the loss predicts each next token)")
+    if args.warmup_seq_len is not None and not args.seq_len_search and args.warmup_seq_len > args.seq_len:
+        # the warm-up trains on the first --warmup-seq-len tokens of a --seq-len batch: there are no more
+        parser.error(f"--warmup-seq-len {args.warmup_seq_len} is longer than --seq-len {args.seq_len}")
     if args.tiled_mlp is not None and args.tiled_mlp <= 0:
         parser.error(f"--tiled-mlp takes a positive number of tokens per tile, got {args.tiled_mlp}")
     if args.offload_activations < 0:
@@ -318,18 +335,18 @@ def load_model(args, device, dtype):
     Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read (that
     placement needs accelerate; without it the weights pass through CPU memory first). A local --model that does not
     exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
-    name = args.model
+    name = args.model  # "~" already expanded by the parser
     if name != "tiny":
-        local = is_local_path(name)
-        if local and not Path(name).expanduser().is_dir():
+        if is_local_path(name) and not Path(name).is_dir():
             raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
                              f"save_pretrained; a Hub id has the form org/name)")
         placement = {"device_map": device} if is_accelerate_available() else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name) if local else name, dtype=dtype,
-                                                         attn_implementation=args.attn_implementation,
-                                                         local_files_only=not args.allow_download, **placement)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=not args.allow_download,
+                                                         attn_implementation=args.attn_implementation, **placement)
             return model.to(device), "real"
+        except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
+            raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
         except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             if args.strict_weights:
@@ -341,8 +358,11 @@ def load_model(args, device, dtype):
                   f"using the same architecture with RANDOM weights")
     config = tiny_llama_config() if name == "tiny" else llama31_8b_config()
     # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    except ImportError as err:
+        raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
     return model, "random"
 
 
@@ -728,25 +748,40 @@ def flag_summary(options):
 def plot_memory(paths, out_path):
     """One line per kind of run (ours, Liger, baseline...): peak GPU memory at each sequence length that a results file
     (a fine-tune or a --seq-len-search) reports; a cross where a length ran out of memory; each point labelled with
-    its flags and the memory it kept on the host."""
+    its flags and the memory it kept on the host. A run without a GPU measured no peak (null): it is left out, and
+    said so."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    series = {}
+    series, unmeasured = {}, []
     for path in paths:
         try:
             result = json.loads(Path(path).read_text())
-            label = "ours (fused kernels)" if result["script"] == "finetune_optimized.py" else result["variant"]
+            writer = result.get("script")
+            if writer not in ("finetune_baseline.py", "finetune_optimized.py"):  # e.g. a profile's .summary.json
+                raise SystemExit(f"error: --plot {path}: not a fine-tune results file ("
+                                 + (f"written by {writer}" if writer else "it names no script")
+                                 + "); --plot reads the JSON of finetune_baseline.py and finetune_optimized.py")
+            label = "ours (fused kernels)" if writer == "finetune_optimized.py" else result["variant"]
             rows = (result["seq_len_search"]["results"] if "seq_len_search" in result else
                     [{"seq_len": result["options"]["seq_len"], "status": "trained",
                       "peak_gib": result["peak_memory_gib"],
                       "host_gib": (result.get("offload") or {}).get("host_bytes", 0) / 2**30}])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise SystemExit(f"error: --plot {path}: not a fine-tune results file ({type(err).__name__}: {err})")
-        for row in rows:
-            if row["status"] in ("trained", "out of memory"):
-                series.setdefault(label, []).append((row, flag_summary(result["options"])))
+            for row in rows:
+                if row["status"] not in ("trained", "out of memory"):
+                    continue  # "not tried", "non-finite loss": no memory to show
+                if row.get("peak_gib") is None:  # a run without a GPU has no GPU memory to report
+                    unmeasured.append(f"{path} ({row['seq_len']} tokens)")
+                else:
+                    series.setdefault(label, []).append((row, flag_summary(result["options"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # e.g. an older file's rows
+            raise SystemExit(f"error: --plot {path}: not a fine-tune results file this version reads "
+                             f"({type(err).__name__}: {err})")
+    if unmeasured:
+        print(f"left out, no peak GPU memory (run without a GPU): {', '.join(unmeasured)}")
+    if not series:
+        raise SystemExit("error: --plot: nothing to plot: no run in these files measured its peak GPU memory")
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for label, points in series.items():
         points.sort(key=lambda point: point[0]["seq_len"])
@@ -790,13 +825,14 @@ def seq_len_search(lengths, try_length):
             continue
         row = {"seq_len": seq_len, **try_length(seq_len)}
         rows.append(row)
+        peak = "n/a (CPU)" if row.get("peak_gib") is None else f"{row['peak_gib']:.2f} GiB"
         if row["status"] == "trained":
             longest = seq_len
             host = f", {row['host_gib']:.1f} GiB on the host" if row.get("host_gib") else ""
             print(f"seq_len {seq_len:>7}: trained, {row['step_ms'] / 1e3:.1f} s/step, {row['tokens_per_s']:,.0f} "
-                  f"tok/s, peak {row['peak_gib']:.2f} GiB{host}")
+                  f"tok/s, peak {peak}{host}")
         elif row["status"] == "out of memory":
-            print(f"seq_len {seq_len:>7}: out of memory in the {row['phase']} (peak {row['peak_gib']:.2f} GiB)")
+            print(f"seq_len {seq_len:>7}: out of memory in the {row['phase']} (peak {peak})")
         else:
             print(f"seq_len {seq_len:>7}: {row['status']}")
     return rows, longest
@@ -1060,7 +1096,7 @@ def fine_tune(argv=None):
             except torch.OutOfMemoryError:
                 out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
             step_s = time.perf_counter() - t0
-            peak_gib = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else 0.0
+            peak_gib = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None  # null: no GPU, no peak
             if out_of_memory:
                 failed_in, phase["now"] = phase["now"], "idle"
                 if optimizer is not None:

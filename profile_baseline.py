@@ -6,7 +6,8 @@ AdamW step, zero_grad -- under torch.profiler and print
   1. the top-N operators and kernels by self device time (self CPU time without a GPU), from the profiler's own
      key_averages() table, with the driver's "Command Buffer Full" events removed from the event list first;
   2. a category summary (matmul, attention, RMSNorm, SwiGLU, loss, optimizer, memory copies, other elementwise) in ms
-     and % of the step's device time, so that e.g. AdamW's share at 1x512 is visible at a glance;
+     and % of the step's device time, so that e.g. AdamW's share at 1x512 is visible at a glance (without a GPU: of
+     the ops' CPU self time; the Python between the ops is printed on its own line, outside the categories);
   3. the profiled step's peak memory and how many modules the kernel flags replaced.
 
 It writes exactly one Chrome trace per run to traces/ (open it at https://ui.perfetto.dev) and a small JSON summary
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import socket
 import subprocess
@@ -55,16 +57,21 @@ HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CATEGORIES = ["matmul", "attention", "RMSNorm", "SwiGLU", "loss", "optimizer", "memory copies", "other elementwise"]
+# The attention implementations transformers trains LLaMA with (its "paged|..." variants serve generation).
+ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny",
+    # expanduser here, once, as the fine-tune scripts do (the shell expands a ~ only at the start of a word)
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
                         help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights '
                              '(CPU runs)')
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend")
+    parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
+                        help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, "
+                             "softmax, matmul; flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
     parser.add_argument("--allow-download", action="store_true", help="let from_pretrained reach the Hub")
     parser.add_argument("--strict-weights", action="store_true",
                         help="fail instead of falling back to random weights when the weights cannot be loaded")
@@ -99,6 +106,15 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
         parser.error("--seq-len must be at least 2: the loss predicts each next token, so 1 token has none")
+    if not 0 < args.lr < math.inf:  # also false for nan
+        parser.error(f"--lr must be a positive finite number, got {args.lr}")
+    if args.attn_implementation == "flex_attention" and not HAS_CUDA:
+        parser.error("--attn-implementation flex_attention needs a GPU: FlexAttention has no backward on the CPU")
+    # Checked now: the trace and the summaries are written only after the profiled step.
+    if Path(args.trace_dir).exists() and not Path(args.trace_dir).is_dir():
+        parser.error(f"--trace-dir {args.trace_dir} is a file: give a folder (it is created if it does not exist)")
+    if args.summary_out and Path(args.summary_out).is_dir():
+        parser.error(f"--summary-out {args.summary_out} is a directory: give the path of the JSON file to write")
     return args
 
 
@@ -181,18 +197,18 @@ def load_model(args, device, dtype):
     Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read (that
     placement needs accelerate; without it the weights pass through CPU memory first). A local --model that does not
     exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
-    name = args.model
+    name = args.model  # "~" already expanded by the parser
     if name != "tiny":
-        local = is_local_path(name)
-        if local and not Path(name).expanduser().is_dir():
+        if is_local_path(name) and not Path(name).is_dir():
             raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
                              f"save_pretrained; a Hub id has the form org/name)")
         placement = {"device_map": device} if is_accelerate_available() else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name) if local else name, dtype=dtype,
-                                                         attn_implementation=args.attn_implementation,
-                                                         local_files_only=not args.allow_download, **placement)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=not args.allow_download,
+                                                         attn_implementation=args.attn_implementation, **placement)
             return model.to(device), "real"
+        except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
+            raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
         except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             if args.strict_weights:
@@ -204,8 +220,11 @@ def load_model(args, device, dtype):
                   f"using the same architecture with RANDOM weights")
     config = tiny_llama_config() if name == "tiny" else llama31_8b_config()
     # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    except ImportError as err:
+        raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
     return model, "random"
 
 
@@ -273,7 +292,10 @@ def _ancestors(event):
 
 
 def category_summary(events):
-    """{category: microseconds} over the profiled step, and the total (device time on GPU, CPU self time on CPU)."""
+    """({category: microseconds} over the profiled step, their total, microseconds left out): device time on GPU, CPU
+    self time on CPU. Left out on CPU: the self time of the profiler's ProfilerStep range, which encloses the whole
+    step, so its self time is what ran between the ops (Python, hooks, autograd's bookkeeping), not any op's work.
+    On GPU: None, as every kernel counts in the category of the op that launched it."""
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
 
     # Forward ops by autograd sequence number. A backward node carries the sequence number of the forward op that
@@ -291,7 +313,7 @@ def category_summary(events):
             labels += _ancestors(forward_by_seq[node.sequence_nr])
         return chain, labels
 
-    totals = dict.fromkeys(CATEGORIES, 0.0)
+    totals, outside_ops_us = dict.fromkeys(CATEGORIES, 0.0), None
     if HAS_CUDA:
         # Every op that launched device work lists those kernels (name, duration) in `kernels`: that is how torch's
         # own table attributes device time to ops. Device-side copies of record_function ranges carry the range's own
@@ -303,10 +325,14 @@ def category_summary(events):
                 for kernel in kernels:
                     totals[classify(kernel.name, chain, labels)] += kernel.duration
     else:
+        outside_ops_us = 0.0
         for e in cpu_ops:
+            if e.name.startswith("ProfilerStep"):  # "ProfilerStep*" in the event list, "ProfilerStep#1" in the trace
+                outside_ops_us += e.self_cpu_time_total
+                continue
             chain, labels = chain_and_labels(e)
             totals[classify(None, chain, labels)] += e.self_cpu_time_total
-    return totals, sum(totals.values())
+    return totals, sum(totals.values()), outside_ops_us
 
 
 def device_idle_ms(events):
@@ -541,13 +567,16 @@ def main(argv=None):
     top_ops = sorted(averages, key=lambda a: getattr(a, sort_key), reverse=True)[:args.row_limit]
 
     # --- category summary ---------------------------------------------------------------------------------------
-    totals_us, step_us = category_summary(events)
+    totals_us, step_us, outside_ops_us = category_summary(events)
     time_unit = "device ms" if HAS_CUDA else "CPU self ms"
     categories = {cat: {"ms": us / 1e3, "pct": 100.0 * us / step_us if step_us else 0.0}
                   for cat, us in totals_us.items()}
     print(tabulate([[cat, f"{v['ms']:.3f}", f"{v['pct']:.1f}"] for cat, v in categories.items()]
                    + [["step total", f"{step_us / 1e3:.3f}", "100.0"]],
                    headers=["category", time_unit, "% of step"], tablefmt="github", disable_numparse=True))
+    if outside_ops_us is not None:
+        print(f"not in the table: {outside_ops_us / 1e3:.3f} CPU ms of the step outside every op (the self time of "
+              f"the profiler's ProfilerStep range: Python, hooks, autograd's bookkeeping between the ops)")
     idle_ms = device_idle_ms(events) if HAS_CUDA else None
     if idle_ms is not None:
         print(f"GPU idle between the step's first and last kernel: {idle_ms:.3f} ms (waiting for the host)")
@@ -570,6 +599,7 @@ def main(argv=None):
         "step_ms": step_us / 1e3,
         "categories": categories,
         "device_idle_ms": idle_ms,
+        "outside_ops_ms": None if outside_ops_us is None else outside_ops_us / 1e3,
         "peak_memory_gib": peak_gib,
         "top_ops": [{"name": a.key, "calls": a.count, "self_device_ms": a.self_device_time_total / 1e3,
                      "self_cpu_ms": a.self_cpu_time_total / 1e3} for a in top_ops],

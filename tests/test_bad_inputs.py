@@ -5,8 +5,11 @@ stderr holds no Python traceback, its last line is the error and contains the re
 output exists afterwards (no results JSON; no trace, no summary in the trace folder). The bad data sets are written
 by the tests: an empty .txt, a .jsonl without a "text" field, a Latin-1 (not UTF-8) .txt, a .jsonl with a null text,
 a file of an unknown type; --compare gets a missing file, a file that is not JSON, a trace instead of a summary, and
-a CPU summary against a GPU one.
+a CPU summary against a GPU one. Bad options are refused before the run starts: a learning rate that is not a positive
+finite number, an attention implementation transformers does not have (or cannot use here), an output path that is a
+directory (a trace folder that is a file), a warm-up longer than the sequence.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = ["finetune_baseline.py", "finetune_optimized.py"]
@@ -49,6 +53,14 @@ FINETUNE_CASES = {
     "data-empty": (["--data", "{data}/empty.txt"], "empty.txt: contains no text"),
     "data-no-text-field": (["--data", "{data}/notext.jsonl"], "notext.jsonl: no field 'text' (its fields: content)"),
     "data-not-utf8": (["--data", "{data}/latin1.txt"], "latin1.txt: not UTF-8 text (byte 0xe9"),
+    "lr-0": (["--lr", "0"], "--lr must be a positive finite number, got 0.0"),
+    "lr-nan": (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    "lr-inf": (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    "attn-unknown": (["--attn-implementation", "flash"], "argument --attn-implementation: invalid choice: 'flash'"),
+    # a directory as --out: refused before the run, not found out when the results are written at its end
+    "out-directory": (["--out", "{data}"], "data is a directory: give the path of the file to write"),
+    "warmup-longer-than-seq": (["--seq-len", "16", "--warmup-seq-len", "32"],
+                               "--warmup-seq-len 32 is longer than --seq-len 16"),
 }
 # Code shared by both scripts (checked identical in test_finetune.py): these run on the baseline only.
 BASELINE_CASES = {
@@ -58,6 +70,10 @@ BASELINE_CASES = {
     "data-missing-file": (["--data", "{data}/missing.jsonl"], "missing.jsonl: no such file or folder"),
     "data-unknown-type": (["--data", "{data}/notes.xyz"], "notes.xyz: unknown file type .xyz"),
     "text-field-missing": (["--data", "{data}/notext.jsonl", "--text-field", "body"], "no field 'body'"),
+    "attn-package-missing": (["--attn-implementation", "flash_attention_2"],
+                             "error: --attn-implementation flash_attention_2: FlashAttention2 has been toggled on"),
+    "flex-attention-on-cpu": (["--attn-implementation", "flex_attention"],
+                              "--attn-implementation flex_attention needs a GPU"),
 }
 # Without the datasets package only .txt files can be read: the other data cases need it.
 NEEDS_DATASETS = {"data-no-text-field", "data-null-text", "data-missing-file", "data-unknown-type",
@@ -69,6 +85,10 @@ NEEDS_DATASETS = {"data-no-text-field", "data-null-text", "data-missing-file", "
 def test_finetune_bad_input(script, case, tmp_path):
     if case in NEEDS_DATASETS:
         pytest.importorskip("datasets")
+    if case == "attn-package-missing" and importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed")
+    if case == "flex-attention-on-cpu" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
     flags, expected = {**FINETUNE_CASES, **BASELINE_CASES}[case]
     data = write_bad_data(tmp_path / "data")
     out = tmp_path / "out.json"
@@ -89,9 +109,16 @@ def run_profile_failing(tmp_path, flags, expected):
 @pytest.mark.parametrize("flags, expected", [
     (["--model", "tiny", "--seq-len", "1"], "--seq-len must be at least 2"),
     (["--model", "/nonexistent"], "error: --model /nonexistent: no such directory"),
-], ids=["seq-len-1", "model-nonexistent"])
+    (["--lr", "0"], "--lr must be a positive finite number, got 0.0"),
+    (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    (["--attn-implementation", "flash"], "argument --attn-implementation: invalid choice: 'flash'"),
+    (["--summary-out", "{tmp}"], "is a directory: give the path of the JSON file to write"),
+    (["--trace-dir", "{tmp}/file.txt"], "file.txt is a file: give a folder"),
+], ids=["seq-len-1", "model-nonexistent", "lr-0", "lr-nan", "attn-unknown", "summary-out-directory",
+        "trace-dir-file"])
 def test_profile_bad_input(flags, expected, tmp_path):
-    run_profile_failing(tmp_path, flags, expected)
+    (tmp_path / "file.txt").write_text("not a folder")
+    run_profile_failing(tmp_path, [flag.format(tmp=tmp_path) for flag in flags], expected)
 
 
 def summary_like(time_unit):

@@ -266,3 +266,41 @@ def test_registry_drives_everything(tmp_path, monkeypatch, capsys, bench):
         assert bwd and all("bytes" not in row for row in bwd)  # no count for that phase: no GB/s
     assert "=== toy (bf16) ===" in stdout and "toy: one multiplication" in stdout and "4*N*W*s" in stdout
     assert "above rule (peer)" in stdout
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--tokens", "-4"], "argument --tokens: must be above 0, got -4"),
+    (["--tokens", "0"], "argument --tokens: must be above 0, got 0"),
+    (["--hidden", "-8"], "argument --hidden: must be above 0, got -8"),
+    (["--hidden", "0"], "argument --hidden: must be above 0, got 0"),
+    (["--chunk-sizes", "0"], "argument --chunk-sizes: must be above 0, got 0"),
+    (["--copy-gib", "-1"], "argument --copy-gib: must be above 0, got -1"),
+    (["--rep-ms", "-1"], "argument --rep-ms: must be above 0, got -1"),
+    (["--warmup-ms", "nan"], "argument --warmup-ms: must be above 0, got nan"),
+    (["--kernel", "rmsnorm", "--providers", "liger_softcap"],
+     "--providers liger_softcap: not a provider of --kernel rmsnorm. The providers at --dtype bf16: rmsnorm: ours, "
+     "eager, torch_compile, liger"),
+    (["--kernel", "rmsnorm", "swiglu", "--providers", "ours_softcap"], "not a provider of --kernel rmsnorm swiglu"),
+    (["--kernel", "rmsnorm", "linear_cross_entropy", "--providers", "cce"],
+     "--providers cce: none is a provider of rmsnorm, which would time nothing"),
+    (["--kernel", "rmsnorm", "--chunk-sizes", "256"], "--chunk-sizes times linear_cross_entropy"),
+    (["--out", "{tmp}"], "is a directory: give the path of the JSON file to write"),
+    (["--kernel", "rmsnorm", "swiglu", "--out", "{tmp}/{kernel}"], "swiglu is a directory"),
+], ids=["tokens-negative", "tokens-0", "hidden-negative", "hidden-0", "chunk-sizes-0", "copy-gib-negative",
+        "rep-ms-negative", "warmup-ms-nan", "provider-of-another-kernel", "provider-of-no-chosen-kernel",
+        "kernel-without-provider", "chunk-sizes-without-its-kernel", "out-directory", "out-kernel-directory"])
+def test_bad_options_are_one_error_line_before_the_run(flags, expected, tmp_path, capsys, bench):
+    """Sizes, times and providers that would time nothing, or fail inside the run as if a kernel had failed (or, for
+    an --out directory, after the first kernel), are refused by the parser: one line, exit code 2."""
+    (tmp_path / "swiglu").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args([flag.format(tmp=tmp_path, kernel="{kernel}") for flag in flags])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_legend_says_mib(bench):
+    """Peak memory is peak bytes / 2**20: the legend calls it MiB, as the table's column does."""
+    for kernel in bench.KERNELS:
+        text = bench.legend(kernel, "")
+        assert "peak MiB" in text and "peak MB" not in text, kernel

@@ -9,11 +9,13 @@
   the test also checks that the loss really moves by more than 0.1).
 - The optimized loss paths give transformers' own loss, model(input_ids, labels=labels).loss, with labels containing
   -100 (same shift, same denominator), and the same gradients.
-- The seq-len search reports the longest length that trained (its out-of-memory handling: test_long_context.py).
+- The seq-len search reports the longest length that trained (its out-of-memory handling: test_long_context.py);
+  without a GPU its peak memory is null and printed "n/a (CPU)", as the training summary does.
 - --data reads each way datasets users keep a data set (save_to_disk folders, json/jsonl/parquet/csv/text files, a
   folder of data files), written by the test: the token stream must equal the reference, the UTF-8 bytes of every
   row's --text-field with EOS after each and empty rows skipped. Without the datasets package a .txt file still reads.
 - A model saved with save_pretrained loads from its folder as "real weights", placed with device_map, bit-identical.
+  A --model path that starts with ~ names the same folder for the weights and for the tokenizer.
 - The default JSON names of runs that differ in data, optimizer, shape, variant or any other option differ.
 - The code the scripts share (model, data, names, run information) is identical in both fine-tune scripts, and the
   model loading in profile_baseline.py too.
@@ -160,6 +162,9 @@ def test_seq_len_search_cli(tmp_path):
     assert [r["seq_len"] for r in result["seq_len_search"]["results"]] == [8, 16]
     assert [r["status"] for r in result["seq_len_search"]["results"]] == ["trained", "trained"]
     assert "longest batch-1 sequence that trained: 16" in stdout
+    if not torch.cuda.is_available():  # no GPU memory was measured: null, not 0
+        assert [r["peak_gib"] for r in result["seq_len_search"]["results"]] == [None, None]
+        assert "seq_len      16: trained" in stdout and "peak n/a (CPU)" in stdout and "0.00 GiB" not in stdout
 
 
 def test_liger_without_gpu_is_a_clear_error(tmp_path):
@@ -270,6 +275,25 @@ def test_local_model_loads_real_weights_with_device_map(saved_model, module, mon
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[name], state[name]) for name in state)
 
 
+@pytest.mark.parametrize("module", [finetune_baseline, finetune_optimized, profile_baseline],
+                         ids=["baseline", "optimized", "profile"])
+def test_model_path_with_tilde_is_the_same_folder_for_weights_and_tokenizer(module, tmp_path, monkeypatch, capsys):
+    """--model=~/tiny-llama (the shell expands a ~ only at the start of a word): the weights and, with --data, the
+    tokenizer both come from $HOME/tiny-llama; a tokenizer that fails to load would silently mean UTF-8 bytes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / "tiny-llama"
+    words = Tokenizer(models.WordLevel({"[UNK]": 3, "hello": 4, "world": 5}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
+    args = module.parse_args(["--model=~/tiny-llama"])
+    assert args.model == str(folder)
+    if module is not profile_baseline:  # the profiler trains on random tokens: no tokenizer
+        assert module.text_encoder(args)("hello world") == [4, 5]
+        assert "no tokenizer" not in capsys.readouterr().out
+
+
 def test_local_model_and_data_end_to_end(saved_model, tmp_path):
     data, field, _ = write_data_set("parquet", tmp_path)
     result, stdout = run_script("finetune_baseline.py", tmp_path, "local", "--model", str(saved_model[0]),
@@ -316,8 +340,9 @@ def test_shared_code_is_identical():
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(finetune_optimized, name)), name
     for name in ["ROPE_LLAMA3", "DATA_FILE_BUILDERS", "NAMED_OPTIONS", "UNNAMED_OPTIONS", "DTYPES",
-                 "ATTENTION_KERNELS"]:
+                 "ATTENTION_KERNELS", "ATTN_IMPLEMENTATIONS"]:
         assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
+    assert finetune_baseline.ATTN_IMPLEMENTATIONS == profile_baseline.ATTN_IMPLEMENTATIONS
     for name in ["git_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model"]:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(profile_baseline, name)), name

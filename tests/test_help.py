@@ -1,5 +1,7 @@
-"""Every script at the repository root answers --help (and exits 0) without running its job."""
+"""Every script at the repository root answers --help (and exits 0) without running its job; the scripts' option
+help wraps at 80 columns without cutting a word."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +26,16 @@ def test_help(script):
         assert "reference" in result.stdout.lower()
     if script.endswith("_kernel.py"):
         assert "What it computes" in result.stdout
+
+
+@pytest.mark.parametrize("script", ["profile_baseline.py", "benchmark_kernels.py", "finetune_baseline.py",
+                                    "finetune_optimized.py"])
+def test_help_wraps_between_words(script):
+    """argparse wraps each option's help to the terminal's width and cuts a word longer than the help column in two
+    (a file-name pattern once read "<mode l>"): at 80 columns the help must hold the same words as unwrapped."""
+    def words(columns):
+        result = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                                env=dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS=str(columns)), timeout=180)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return re.sub(r"-\s+", "-", result.stdout).split()  # a break after a hyphen is a line break, not a cut word
+    assert words(80) == words(1000)

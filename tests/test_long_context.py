@@ -238,3 +238,39 @@ def test_plot_of_peak_memory_against_length(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "finetune_baseline.py"), "--plot", str(tmp_path / "bad.json"),
                            "--out", str(tmp_path / "bad.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "not a fine-tune results file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("module", list(SCRIPTS.values()), ids=list(SCRIPTS))
+def test_plot_leaves_out_runs_without_a_gpu_and_refuses_other_files(module, tmp_path, capsys):
+    """A run without a GPU writes peak memory null: --plot leaves it out and says so, and with nothing else to plot
+    it ends with one line. A profile's .summary.json (it has a peak_memory_gib too) is not a fine-tune result."""
+    cpu_run = {"script": "finetune_baseline.py", "variant": "baseline", "options": {"seq_len": 32},
+               "peak_memory_gib": None, "offload": None}
+    cpu_search = {"script": "finetune_optimized.py", "variant": "rmsnorm+linear_ce", "options": {},
+                  "seq_len_search": {"results": [{"seq_len": 8, "status": "trained", "peak_gib": None}]}}
+    gpu_search = {"script": "finetune_optimized.py", "variant": "rmsnorm+linear_ce", "options": {},
+                  "seq_len_search": {"results": [{"seq_len": 8, "status": "trained", "peak_gib": 1.0}]}}
+    profile = {"script": "profile_baseline.py", "variant": "baseline", "options": {"seq_len": 32},
+               "peak_memory_gib": 2.0}
+    for name, content in (("cpu", cpu_run), ("cpu_search", cpu_search), ("gpu", gpu_search), ("profile", profile)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    png = tmp_path / "memory.png"
+
+    module.main(["--plot", str(tmp_path / "cpu.json"), str(tmp_path / "gpu.json"), "--out", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"left out, no peak GPU memory (run without a GPU): {tmp_path / 'cpu.json'} (32 tokens)" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit, match="^error: --plot: nothing to plot: no run in these files measured its peak "
+                                         "GPU memory$"):
+        module.main(["--plot", str(tmp_path / "cpu.json"), str(tmp_path / "cpu_search.json"), "--out", str(png)])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--plot", str(tmp_path / "gpu.json"), str(tmp_path / "profile.json"), "--out", str(png)])
+    assert str(exit_info.value) == (f"error: --plot {tmp_path / 'profile.json'}: not a fine-tune results file (written "
+                                    f"by profile_baseline.py); --plot reads the JSON of finetune_baseline.py and "
+                                    f"finetune_optimized.py")
+    # a search file of an older format (rows with "trained": true, no "status"): one line too, not a traceback
+    older = {**gpu_search, "seq_len_search": {"results": [{"seq_len": 8, "trained": True, "peak_gib": 1.0}]}}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    with pytest.raises(SystemExit, match="older.json: not a fine-tune results file this version reads "
+                                         r"\(KeyError: 'status'\)$"):
+        module.main(["--plot", str(tmp_path / "older.json"), "--out", str(png)])

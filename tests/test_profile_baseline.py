@@ -7,6 +7,7 @@ for the run's views, overview, operator table and trace, as the browser tab asks
 import gzip
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -86,6 +87,22 @@ def test_baseline_categories(baseline_run):
     # Every part of a LLaMA step is present and found: eager RMSNorm (pow/mean/rsqrt), the eager loss, AdamW...
     for cat in ("matmul", "attention", "RMSNorm", "SwiGLU", "loss", "optimizer"):
         assert cats[cat]["ms"] > 0, cat
+
+
+def test_python_between_the_ops_is_not_a_category(baseline_run):
+    """Without a GPU the categories add up CPU self time. The profiler's ProfilerStep range encloses the whole step,
+    and its own self time is the Python between the ops: it is reported on its own line, not in a category (it once
+    inflated "other elementwise"). On a GPU the categories count kernel time, and there is nothing to set apart."""
+    _, out, summary, _ = baseline_run
+    if torch.cuda.is_available():
+        assert summary["outside_ops_ms"] is None and "outside every op" not in out
+        return
+    assert summary["outside_ops_ms"] > 0
+    assert f"not in the table: {summary['outside_ops_ms']:.3f} CPU ms of the step outside every op" in out
+    # the step's whole CPU time, as the profiler's own table totals it, is the categories plus that line
+    value, unit = re.search(r"Self CPU time total: ([\d.]+)(us|ms|s)\b", out).groups()
+    total_ms = float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+    assert summary["step_ms"] + summary["outside_ops_ms"] == pytest.approx(total_ms, rel=1e-3, abs=2e-3)
 
 
 def test_kernel_flags(kernels_run):
