@@ -28,6 +28,7 @@ import argparse
 import datetime
 import functools
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -938,14 +939,14 @@ def fine_tune(argv=None):
         if not HAS_CUDA:
             raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
         try:
-            import liger_kernel
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except ImportError as err:
             raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
         apply_liger_kernel_to_llama(model=model)  # RoPE, RMSNorm, SwiGLU MLP, fused linear cross-entropy
         # Liger patches the module instances' forward and their _get_name() (the class stays): 65 + 32 for 8B.
         replaced["liger_modules"] = sum(m._get_name().startswith("Liger") for m in model.modules())
-        info["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
+        # liger_kernel has no __version__: the installed distribution's metadata has the version
+        info["liger_kernel"] = importlib.metadata.version("liger-kernel")
     variant = "liger" if args.liger else "compile" if args.compile else "baseline"
     loss_impl = "liger" if args.liger else "eager"
 
