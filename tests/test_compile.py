@@ -286,15 +286,17 @@ def test_tiny_llama_compiles_whole(patched_tiny_llama, loss_impl):
                                    msg=name)
 
 
-def test_finetune_optimized_compile_end_to_end(tmp_path):
+@pytest.mark.parametrize("script, variant", [("finetune_optimized.py", "rmsnorm+linear_ce+swiglu+rope+compile"),
+                                             ("finetune_baseline.py", "compile")])
+def test_finetune_compile_end_to_end(script, variant, tmp_path):
     out = tmp_path / "compiled.json"
-    cmd = [sys.executable, str(ROOT / "finetune_optimized.py"), "--model", "tiny", "--dtype", "fp32", "--steps", "1",
+    cmd = [sys.executable, str(ROOT / script), "--model", "tiny", "--dtype", "fp32", "--steps", "1",
            "--seq-len", "16", "--compile", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["variant"] == "rmsnorm+linear_ce+swiglu+rope+compile"
+    assert result["variant"] == variant
     assert result["options"]["compile"]
     assert result["compile_backend"] == ("inductor" if torch.cuda.is_available() else "aot_eager")
     assert "torch.compile: backend" in proc.stdout and len(result["losses"]) == 1

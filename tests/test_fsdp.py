@@ -82,3 +82,6 @@ def test_fsdp_bad_combinations_are_clear_errors(module, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             module.parse_args(["--fsdp", *flags])
         assert f"--fsdp cannot be combined with {flags[0]}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # FSDP2 reduces the gradients after the backward: none to step on arrival
+        module.parse_args(["--fsdp", "--optimizer-in-backward"])
+    assert "--optimizer-in-backward cannot be combined with --fsdp" in capsys.readouterr().err
