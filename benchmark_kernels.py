@@ -1057,6 +1057,17 @@ def plot(kernel, rows, path, header):
 # ----------------------------------------------------------------------------------------------------------------------
 # The run: header, output paths, command line
 # ----------------------------------------------------------------------------------------------------------------------
+def host_cpu():
+    """The host's CPU model and core count (Linux: /proc/cpuinfo): it sets the pace of host-bound steps, so figures
+    from different hosts differ."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
 def versions():
     found = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
              "cuda": torch.version.cuda}
@@ -1252,7 +1263,7 @@ def main(argv=None):
     copy_gbps, copy_bytes = measure_copy_bandwidth(args.copy_gib)
     command = shlex.join([Path(sys.executable).name, Path(__file__).name,
                           *(sys.argv[1:] if argv is None else argv)])
-    header = {"gpu": device_name(), "copy_gbps": copy_gbps, "copy_bytes_each_way": copy_bytes,
+    header = {"gpu": device_name(), "host_cpu": host_cpu(), "copy_gbps": copy_gbps, "copy_bytes_each_way": copy_bytes,
               "versions": versions(), "git_commit": commit, "git_dirty": dirty, "command": command, "date":
               datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype,
               "timing": "triton.testing.do_bench median/p20/p80, L2 flushed, grads reset" if ON_GPU else

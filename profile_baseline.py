@@ -28,6 +28,7 @@ import datetime
 import json
 import math
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -139,11 +140,23 @@ def git_info():
     return "uncommitted", False
 
 
+def host_cpu():
+    """The host's CPU model and core count (Linux: /proc/cpuinfo): it sets the pace of host-bound steps, so figures
+    from different hosts differ."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
 def run_info():
     commit, dirty = git_info()
     return {
         "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
         "host": socket.gethostname(),
+        "host_cpu": host_cpu(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": _triton_version(),

@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmark_kernels.py"
 KERNELS = ("rmsnorm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope")
-HEADER_KEYS = ("gpu", "copy_gbps", "versions", "git_commit", "git_dirty", "command", "date", "rows")
+HEADER_KEYS = ("gpu", "host_cpu", "copy_gbps", "versions", "git_commit", "git_dirty", "command", "date", "rows")
 ON_GPU = torch.cuda.is_available()
 # On a GPU the playbook's sizes would take minutes: two small sizes and short timings keep the checks quick there.
 GPU_QUICK = ["--tokens", "256", "512", "--rep-ms", "20", "--warmup-ms", "5", "--copy-gib", "0.5"] if ON_GPU else []

@@ -72,8 +72,8 @@ def test_json_contents(parity_runs):
     for name, (result, stdout) in parity_runs.items():
         assert result["weights"] == "random" and "random weights" in stdout
         assert len(result["losses"]) == len(result["step_ms"]) == len(result["token_accuracies"]) == 5
-        for key in ("device", "torch", "triton", "transformers", "git_commit", "git_dirty", "command", "date",
-                    "options", "avg_step_ms", "tokens_per_s", "peak_memory_gib", "warmup_loss"):
+        for key in ("device", "host_cpu", "torch", "triton", "transformers", "git_commit", "git_dirty", "command",
+                    "date", "options", "avg_step_ms", "tokens_per_s", "peak_memory_gib", "warmup_loss"):
             assert key in result, (name, key)
         assert result["tokens_per_step"] == 32 and result["tokens_per_s"] > 0
         assert "summary" in stdout and "tokens/s" in stdout
@@ -327,7 +327,7 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
     assert default_name(finetune_baseline, "--log-interval", "5", "--allow-download") == names[0]
 
 
-SHARED = ["git_info", "run_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model",
+SHARED = ["git_info", "host_cpu", "run_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model",
           "data_error", "data_rows", "text_encoder", "load_token_stream", "make_batches", "shift_labels_of",
           "default_out_path", "seq_len_search", "sync", "causal_sdpa_without_mask", "capture_step",
           "init_distributed", "keep_attention_outputs", "AttentionKernelRecorder", "ActivationOffloader",

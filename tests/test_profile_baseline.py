@@ -65,7 +65,7 @@ def test_baseline_writes_one_trace_and_a_summary(baseline_run):
     # The summary beside the trace is the same document as --summary-out.
     assert json.loads(traces[0].with_suffix(".summary.json").read_text()) == summary
     assert summary["weights"] == "random" and summary["variant"] == "baseline" and summary["replaced"] == {}
-    for key in ("torch", "triton", "transformers", "git_commit", "device", "command", "date", "options"):
+    for key in ("torch", "triton", "transformers", "git_commit", "device", "host_cpu", "command", "date", "options"):
         assert key in summary
     assert "Command Buffer Full" not in out
     assert summary["top_ops"] and all(op["name"] != "Command Buffer Full" for op in summary["top_ops"])
