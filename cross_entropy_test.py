@@ -166,6 +166,10 @@ CE_CASES = [
     case(dtype="bf16", shape=(12, 800), reduction="mean", ignore_frac=0.2, upstream=3.5),
     case(dtype="fp32", shape=(12, 800), reduction="sum", ignore_frac=0.2, upstream=-0.25, targets_dtype=torch.int32),
     case(dtype="fp32", shape=(12, 400), reduction="mean", ignore_frac=0.2, ignore_index=0),
+    # the same on the shared-memory kernel, whose target-column store must skip ignored rows when ignore_index is a
+    # class (on the interpreter an ignored row's placeholder statistics make that store 0; on a GPU, NaN)
+    case(dtype="bf16", shape=(9, 1520), reduction="mean", ignore_frac=0.25, ignore_index=0, kernel="smem",
+         block_v=256, n_streamed=3, n_ring=2),
     # the module, in-place mode, and explicit chunk widths through the launcher cross_entropy_forward
     case(dtype="bf16", shape=(12, 600), reduction="mean", ignore_frac=0.2, use_module=True),
     case(dtype="bf16", shape=(2, 6, 600), reduction="none", ignore_frac=0.2, inplace=True, layout="sliced"),
@@ -1013,6 +1017,40 @@ def test_argmax_ties(kernel, softcap):
                                       **({"n_streamed": 3, "n_ring": 2} if kernel == "smem" else {}))
     assert torch.equal(out.predicted_tokens, expected), f"{out.predicted_tokens} != {expected}"
     assert out.token_accuracy == 1 / len(ties)  # only the one-column row predicts its target
+
+
+@pytest.mark.parametrize("kernel", ["rows", "smem"])
+def test_argmax_of_capped_logits(kernel):
+    """The argmax is taken after the softcap, which makes large logits equal: 40 and 60 (and 50 and 80) both cap to
+    4.0 in fp32 at softcap 4, so the lower column wins, although its raw logit is the smaller."""
+    if kernel == "smem" and not SMEM_RUNS_HERE:
+        pytest.skip("the shared-memory kernel runs only on compute capability 9.x GPUs (and the CPU interpreter)")
+    V, block = 1904, 256
+    values = (torch.randn(2, V, device=DEVICE) * 3).to(torch.bfloat16)
+    values[0, 16], values[0, 17] = 40.0, 60.0  # one lane of one chunk
+    values[1, 2 * block + 3], values[1, 6 * block + 3] = 50.0, 80.0  # the same lane position in two chunks
+    expected = (4.0 * torch.tanh(values.float() / 4.0)).argmax(dim=-1)
+    assert expected.tolist() == [16, 2 * block + 3]
+    targets = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    out, _ = ck.cross_entropy_forward(values, targets, softcap=4.0, return_predicted_tokens=True, kernel=kernel,
+                                      block_v=block, **({"n_streamed": 3, "n_ring": 2} if kernel == "smem" else {}))
+    assert torch.equal(out.predicted_tokens, expected), f"{out.predicted_tokens} != {expected}"
+
+
+@pytest.mark.parametrize("kernel", ["rows", "smem"])
+def test_argmax_ignores_columns_past_the_row(kernel):
+    """Logits that are a slice of a wider buffer ([:, :901] of a row of 1024 whose tail holds 1e4): the last lane
+    reads past column 900 into the tail, and the argmax must stop at V."""
+    if kernel == "smem" and not SMEM_RUNS_HERE:
+        pytest.skip("the shared-memory kernel runs only on compute capability 9.x GPUs (and the CPU interpreter)")
+    V, block = 901, 256
+    wide = (torch.randn(3, 1024, device=DEVICE) * 3).to(torch.bfloat16)
+    wide[:, V:] = 1e4
+    wide[:, V - 1] = 30.0  # the row's maximum, in the last column
+    targets = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    out, _ = ck.cross_entropy_forward(wide[:, :V], targets, return_predicted_tokens=True, kernel=kernel, block_v=block,
+                                      **({"n_streamed": 2, "n_ring": 1} if kernel == "smem" else {}))
+    assert out.predicted_tokens.tolist() == [V - 1] * 3
 
 
 @pytest.mark.parametrize("kernel", ["rows", "smem"])

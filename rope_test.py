@@ -190,6 +190,22 @@ def test_general_cos_sin(dtype_name):
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_cos_sin_broadcast_over_tokens_and_laid_out_apart(dtype_name):
+    """cos and sin of one token ([B, 1, D]) broadcast over all tokens (their token stride must read as 0), and cos and
+    sin laid out differently (sin a slice of a wider buffer): each is read through its own strides."""
+    seed_for("cos_sin_layouts", dtype_name)
+    dtype = DTYPES[dtype_name]
+    q, k = make_qk(2, 4, 2, 7, 64, dtype, "llama")
+    cos, sin = general_cos_sin(2, 1, 64, dtype)
+    check_against_reference(q, k, cos, sin, *upstream_grads(q, k))
+    cos, sin = general_cos_sin(2, 7, 64, dtype)
+    wide = torch.randn(2, 7, 2 * 64, device=DEVICE).to(dtype)
+    wide[..., 5:5 + 64] = sin
+    sin = wide[..., 5:5 + 64]  # token stride 128, cos's is 64
+    check_against_reference(q, k, cos, sin, *upstream_grads(q, k))
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_unsqueeze_dim_2(dtype_name):
     """q, k as [B, T, heads, D] with unsqueeze_dim=2 (the layout before LLaMA's transpose)."""
     seed_for("unsqueeze2", dtype_name)
