@@ -644,6 +644,9 @@ def _scale_rows_kernel(
 # 2. Launchers
 # ----------------------------------------------------------------------------------------------------------------------
 _REDUCTIONS = ("mean", "sum", "none")
+# The extras' scalars the kernels take as fp32, and the softcap's slope divides by softcap^2: each must survive that.
+_FP32 = torch.finfo(torch.float32)
+_EXTRA_RANGES = {"lse_square_scale": (0.0, _FP32.max), "softcap": (math.sqrt(_FP32.tiny), math.sqrt(_FP32.max))}
 _LANE_WIDTH = 8  # columns per lane: 8 x 2 bytes = one 16-byte load per thread for bf16
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
 # Below this many rows per multiprocessor the shared-memory kernel's first row per program waits for all its loads and
@@ -748,15 +751,12 @@ def _check_extras(who, weight, lse_square_scale, softcap, return_flags, V=None, 
         if device is not None and weight.device != device:
             raise ValueError(f"{who}: {weight_name} (class weights) is on {weight.device}, the other inputs on "
                              f"{device}; put them on one device")
-    # The kernels take both as fp32 and the softcap's slope divides by softcap^2: the values must survive that.
-    fp32 = torch.finfo(torch.float32)
-    ranges = {"lse_square_scale": (0.0, fp32.max), "softcap": (math.sqrt(fp32.tiny), math.sqrt(fp32.max))}
     for name, value in (("lse_square_scale", lse_square_scale), ("softcap", softcap)):
         if name == "softcap" and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{who}: {name} must be a Python number, got {type(value).__name__}")
-        low, high = ranges[name]
+        low, high = _EXTRA_RANGES[name]
         if not low <= value <= high:  # also false for NaN
             raise ValueError(f"{who}: {name} must be in [{low:.3g}, {high:.3g}] (finite in float32"
                              f"{', its square too; None: no softcap' if name == 'softcap' else ''}), got {value}")
