@@ -1691,8 +1691,9 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
 #   row or the next).
 # Each step commits one group of cp.async copies (possibly empty), so how many groups separate a load from its use is
 # known when the kernel is compiled, and `wait_group(n)` ("wait until at most n groups are in flight") waits for
-# exactly the data the step needs. Each thread copies and then reads the same 8 columns, so it only waits for its own
-# copies (Gluon still adds a barrier per step, which it cannot prove unnecessary).
+# exactly the data the step needs. Each thread copies and then reads the same 8 columns, so its own wait covers what it
+# reads; Gluon adds a barrier for the whole program after each wait and before each refill as well. On the CPU the
+# stand-in at the end of this file completes a copy only at the wait that covers it, so the tests check the counts.
 #
 # An ignored row reads nothing: its copies are skipped with a branch (not masked: a masked cp.async is slower), its
 # pass 1 only commits its (empty) groups, which keeps the wait counts fixed, and its pass 2 stores zeros. Program p
@@ -2102,6 +2103,7 @@ class _InterpretedGluon:
 
     @staticmethod
     def allocate_shared_memory(dtype, shape, layout):
+        _InterpretedGluon._open_group, _InterpretedGluon._committed_groups = [], []  # a program starts with no copies
         return _InterpretedGluon._SharedBuffer(dtype, list(shape[1:]))
 
     @staticmethod
@@ -2120,18 +2122,28 @@ class _InterpretedGluon:
     def thread_barrier():
         return tl.debug_barrier()
 
-    # cp.async: the copy happens at once, so commit and wait have nothing to do.
+    # cp.async, modelled as the GPU allows it to behave, so that the CPU tests check the kernel's wait counts: a copy
+    # fills its slot with NaN when issued (the slot's contents are undefined while the copy is in flight) and reads
+    # global memory only when a wait_group completes its group (as late as the GPU may read it). A read before the
+    # right wait, or a refill before the slot's last read, then gives NaN losses or gradients.
+    _open_group, _committed_groups = [], []  # copies issued since the last commit; committed groups, oldest first
+
     @staticmethod
     def async_copy_global_to_shared(slot, pointer, eviction_policy=""):
-        slot.store(tl.load(pointer))
+        slot.store(tl.full(slot.buffer.slot_shape, float("nan"), tl.float32).to(slot.buffer.dtype))
+        _InterpretedGluon._open_group.append((slot, pointer))
 
     @staticmethod
     def commit_group():
-        pass
+        _InterpretedGluon._committed_groups.append(_InterpretedGluon._open_group)
+        _InterpretedGluon._open_group = []
 
     @staticmethod
     def wait_group(num_outstanding):
-        pass
+        groups = _InterpretedGluon._committed_groups
+        while len(groups) > int(getattr(num_outstanding, "value", num_outstanding)):
+            for slot, pointer in groups.pop(0):
+                slot.store(tl.load(pointer))
 
 
 if INTERPRETER or not _GLUON_VERIFIED:

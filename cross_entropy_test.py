@@ -430,6 +430,42 @@ def test_target_term_reads_no_weight_out_of_bounds(monkeypatch):
         assert torch.all(torch.isfinite(loss[kept])) and torch.all(torch.isfinite(grad[kept])), kernel
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU interpreter's model of cp.async; the GPU runs the real copies")
+@pytest.mark.parametrize("wrong_wait", ["streamed", "kept"])
+def test_cpu_model_of_async_copies_catches_a_short_wait(monkeypatch, wrong_wait):
+    """On the CPU the shared-memory kernel's copies complete only at the wait_group that covers them (see the
+    interpreter's stand-in), so the CPU tests check its schedule: here each streamed (or kept) chunk's wait allows one
+    group more in flight than the schedule needs, the step reads its slot before the copy lands, and the loss is NaN.
+    With the right counts, the same call matches the row kernel."""
+    V = 1520
+    logits = (torch.randn(7, V, device=DEVICE) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, V, (7,), device=DEVICE)
+    kw = dict(reduction="none", kernel="smem", block_v=256, n_streamed=3, n_ring=2)
+    expected, _ = ck.cross_entropy_forward(logits.clone(), targets, reduction="none", kernel="rows", block_v=256)
+    loss, _ = ck.cross_entropy_forward(logits.clone(), targets, **kw)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    if wrong_wait == "streamed":
+        item_wait_count = ck._item_wait_count
+        monkeypatch.setattr(ck, "_item_wait_count", lambda item, N, K, Q: item_wait_count(item, N, K, Q) + 1)
+    else:
+        async_copy = ck.async_copy
+
+        class LateKeptWait:  # the waits for N - 1 groups (pass 1's for a kept chunk) allow one more in flight
+            def __getattr__(self, name):
+                return getattr(async_copy, name)
+
+            @staticmethod
+            def wait_group(num_outstanding):
+                return async_copy.wait_group(num_outstanding + int(num_outstanding == n_chunks - 1))
+
+        n_chunks = V // 256
+        monkeypatch.setattr(ck, "async_copy", LateKeptWait())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN arithmetic on the interpreter
+        loss, _ = ck.cross_entropy_forward(logits.clone(), targets, **kw)
+    assert torch.isnan(loss).any(), "a read before its copy landed went unnoticed on the CPU"
+
+
 def _bad_input_cases():
     x = torch.randn(4, 50, device=DEVICE)
     t = torch.randint(0, 50, (4,), device=DEVICE)
