@@ -2141,7 +2141,7 @@ class _InterpretedGluon:
     @staticmethod
     def wait_group(num_outstanding):
         groups = _InterpretedGluon._committed_groups
-        while len(groups) > int(getattr(num_outstanding, "value", num_outstanding)):
+        while len(groups) > num_outstanding:  # the interpreter passes constexpr counts as Python ints
             for slot, pointer in groups.pop(0):
                 slot.store(tl.load(pointer))
 
