@@ -1,22 +1,26 @@
-"""Full fine-tuning of LLaMA-3.1-8B with the fused Triton kernels plugged in: the OPTIMIZED run.
+"""Full fine-tuning of LLaMA-3.1-8B with the fused Triton kernels and a memory plan: the OPTIMIZED run.
 
-The playbook's step 11, second half: finetune_baseline.py with four changes, each visible in
+The playbook's step 11, second half: finetune_baseline.py (the stock reference) plus what is ours, each visible in
 `diff finetune_baseline.py finetune_optimized.py`:
-  1. every LlamaRMSNorm becomes a TritonRMSNorm sharing the same weight (rmsnorm_kernel.py; 65 modules for 8B);
-  2. every LlamaMLP's silu(gate) * up runs in one fused kernel, forward and backward (swiglu_kernel.py; --no-swiglu
-     turns it off);
-  3. every LlamaAttention's rotary position embedding of q and k runs in one fused kernel, forward and backward
-     (rope_kernel.py, by patching transformers' apply_rotary_pos_emb; --no-rope turns it off);
-  4. the loss: by default the fused linear cross-entropy, fed the decoder's hidden states and lm_head's weight, so the
-     [B*T, V] logits never exist (--loss linear_ce); --loss ce reproduces the playbook's exact configuration, the fused
-     cross-entropy on the lm_head logits (cross_entropy_kernel.py).
-Everything else -- model, data, optimizer, timing, JSON -- is the baseline's, line for line, --compile and --cuda-graph
-included: torch.compile of the model with its loss traces the kernels as custom operators (torch.ops.playbook.*) and
-compiles everything around them; --cuda-graph replays the whole step, kernels included, as one CUDA graph.
+  1. the fused kernels, each of which --no-<kernel> turns off: every LlamaRMSNorm becomes a TritonRMSNorm sharing the
+     same weight (rmsnorm_kernel.py), every LlamaMLP's silu(gate) * up one fused kernel (swiglu_kernel.py), the rotary
+     embedding of q and k one fused kernel (rope_kernel.py), and the loss the fused linear cross-entropy, fed the
+     decoder's hidden states and lm_head's weight so the [B*T, V] logits never exist (--loss linear_ce; --loss ce is
+     the playbook's fused cross-entropy on the logits, --loss eager transformers' own; cross_entropy_kernel.py);
+  2. the memory plan (--memory-plan auto, the default): before the first step it measures what a token costs in one
+     short probe forward, estimates the peak of every combination of the memory levers below, and takes the fastest
+     that fits this GPU; if a step still runs out of memory it takes the next plan. --memory-plan manual uses the
+     flags alone;
+  3. the memory levers: selective or full activation checkpointing of the first N layers, their inputs offloaded to
+     pinned host memory, MLP sequence tiles, the optimizer step inside the backward, and AdamW's state offloaded to
+     the host;
+  4. --cuda-graph: the whole step replayed as one CUDA graph, for steps the host cannot launch fast enough (1x512).
+Everything else -- model, data, loop, checkpoints, evaluation, JSON -- is the baseline's, line for line.
 
     python finetune_optimized.py                                # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
-    python finetune_optimized.py --seq-len 8192 --out results/finetune_optimized_1x8192.json
-    python finetune_optimized.py --seq-len-search 8192,12288,16384,24576   # longest batch-1 sequence that trains
+    python finetune_optimized.py --seq-len 8192                 # the plan picks what fits the GPU
+    python finetune_optimized.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05
+    python finetune_optimized.py --seq-len-search 65536,131072,262144   # longest batch-1 sequence, a plan per length
 
 Model: real weights when they can be loaded offline (a Hub id in the local cache or a local folder written by
 save_pretrained; loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights
@@ -29,19 +33,23 @@ save_pretrained; loaded straight onto the GPU with device_map), otherwise the sa
     accelerate launch --multi_gpu --num_processes 2 finetune_optimized.py --fsdp
 """
 import argparse
+import dataclasses
 import datetime
 import functools
 import gc
+import itertools
 import json
 import math
 import os
 import platform
 import re
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 # Long sequences need large blocks. By default the CUDA caching allocator carves them out of fixed segments and then
@@ -51,23 +59,26 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,  # noqa
+                                                     set_state_dict)
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
-from cross_entropy_kernel import cross_entropy, linear_cross_entropy
-from rmsnorm_kernel import replace_rmsnorm
-from rope_kernel import patch_llama_rope
-from swiglu_kernel import replace_llama_mlp
+from cross_entropy_kernel import cross_entropy, linear_cross_entropy  # noqa: E402
+from rmsnorm_kernel import replace_rmsnorm  # noqa: E402
+from rope_kernel import patch_llama_rope  # noqa: E402
+from swiglu_kernel import replace_llama_mlp  # noqa: E402
 
-import transformers
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.utils import is_accelerate_available
+import transformers  # noqa: E402
+from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM, get_scheduler)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.utils import is_accelerate_available  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
@@ -75,170 +86,149 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 # The attention implementations transformers trains LLaMA with (its "paged|..." variants serve generation).
 ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
-# Without a GPU, --compile uses aot_eager: it traces the step as inductor would (with fake tensors, through the kernels'
-# custom operators, into forward and backward graphs) but generates no code. Inductor's C++ for the CPU takes ~30 s to
-# compile even the tiny model on 2 cores and would speed up nothing that matters: the kernels run on the interpreter.
+# Without a GPU, --compile uses aot_eager: it traces the step as inductor would but generates no code (inductor's C++
+# for the CPU takes ~30 s to compile even the tiny model on 2 cores and would speed up nothing that matters).
 COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager"
+# transformers' names of the schedules: "constant" holds the rate after the warm-up, the others decay it to 0.
+LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
+# Checkpoints store the optimizer state keyed by parameter name, one flat entry per tensor: the same layout for one
+# AdamW over all parameters and for one AdamW per parameter, and resharded on load under FSDP2.
+FLAT_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
     # expanduser here, once: the weights and the tokenizer then read the same folder, also for --model=~/models/x
-    # (the shell expands a ~ only at the start of a word)
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
-                        help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights '
-                             '(CPU runs)')
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
-                        help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, "
-                             "softmax, matmul; flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
-    parser.add_argument("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
-    parser.add_argument("--strict-weights", action="store_true",
-                        help="fail instead of falling back to random weights when the weights cannot be loaded")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="timed optimizer steps (after the warm-up: one step, two with --compile-mode "
-                             "reduce-overhead)")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=512 if HAS_CUDA else 32,
-                        help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
-    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
-    parser.add_argument("--optimizer", choices=["adamw_foreach", "adamw_fused"], default="adamw_fused",
-                        help="torch AdamW: one fused kernel (the default, as in every comparison in the README) or "
-                             "multi-tensor (foreach)")
-    parser.add_argument("--data", default="synthetic",
-                        help='"synthetic" (random tokens), a save_to_disk folder, a local .txt/.json/.jsonl/.parquet/'
-                             '.csv file, or a Hub data set name')
-    parser.add_argument("--text-field", default="text", help="the column of --data that holds the text")
-    parser.add_argument("--log-interval", type=int, default=1, help="update the progress bar every N steps")
-    parser.add_argument("--seq-len-search", default=None, metavar="L1,L2,...",
-                        help="instead of training: after a short warm-up step that creates the optimizer state, one "
-                             "step per length at batch 1, reported as trained / out of memory (in which part of the "
-                             "step) / not tried; the first length that does not fit ends the search")
-    parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
-                        help="instead of training: plot peak GPU memory against sequence length from the results "
-                             "files of fine-tune runs and searches (ours, Liger, ...) into --out (a .png)")
-    parser.add_argument("--warmup-seq-len", type=int, default=None,
-                        help="tokens per sequence of the warm-up step: at most --seq-len (default: --seq-len); with "
-                             "--seq-len-search any length (default: the first length searched, at most 2048). A short "
-                             "warm-up compiles the kernels and creates the optimizer state for a fraction of one long "
-                             "step")
-    parser.add_argument("--grad-accum-steps", type=int, default=1,
-                        help="micro-batches whose gradients are summed per optimizer step")
-    # -- long sequences (the same flags in both scripts) ---------------------------------------------------------------
-    parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none",
-                        help="recompute each decoder layer in the backward instead of keeping its activations: full = "
-                             "the whole layer; selective = all but attention, whose output and log-sum-exp are kept "
-                             "(attention is the part whose cost grows with T^2)")
-    parser.add_argument("--checkpoint-layers", type=int, default=None, metavar="N",
-                        help="with checkpointing: checkpoint only the first N decoder layers (default: all); the "
-                             "others keep their activations, which is faster where the memory allows it")
-    parser.add_argument("--offload-activations", type=int, default=0, metavar="N",
-                        help="with checkpointing: keep the checkpointed input of the first N decoder layers in pinned "
-                             "host memory; copies run on a side stream, overlapped with compute")
-    parser.add_argument("--tiled-mlp", type=int, default=None, metavar="TOKENS",
-                        help="run every MLP over sequence tiles of TOKENS tokens, so its [tokens, intermediate] "
-                             "tensors exist for one tile at a time (the backward recomputes each tile)")
-    parser.add_argument("--optimizer-in-backward", action="store_true",
-                        help="step each parameter's AdamW as soon as its gradient is ready, then free that gradient: "
-                             "the whole model's gradients never exist at once. Not combinable with gradient "
-                             "accumulation (--grad-accum-steps > 1) or --fsdp")
-    parser.add_argument("--measure-recompute", action="store_true",
-                        help="with checkpointing: after the timed steps, time one step without it (if it fits) and "
-                             "report the recompute overhead")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="shard the model with FSDP2 over the N processes of torchrun --nproc-per-node N or "
-                             "accelerate launch --multi_gpu --num_processes N; --batch-size is per rank (global batch "
-                             "= N x --batch-size)")
-    parser.add_argument("--out", default=None,
-                        help="JSON results path. Default: a file in runs/ named after the run: script, model-weights, "
-                             "variant, data, optimizer, dtype, shape, then fsdpN with --fsdp and option=value for "
-                             "every other option not at its default, joined by _")
-    # -- torch.compile (the same flags in both scripts) ----------------------------------------------------------------
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model with its loss (compiled on the first warm-up step)")
-    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
-                        help="torch.compile's mode: reduce-overhead replays each step's kernel launches as CUDA "
-                             "graphs (no host work per launch); max-autotune-no-cudagraphs tries more kernel "
-                             "configurations (a longer compile)")
-    # -- CUDA graph (the same flag in both scripts) --------------------------------------------------------------------
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph "
-                             "after the warm-up and replay it: one launch per step instead of one per kernel, for "
-                             "steps the host cannot launch as fast as the GPU runs them (1x512)")
-    # -- optimized only: which kernels -------------------------------------------------------------------------------
-    parser.add_argument("--loss", choices=["linear_ce", "ce"], default="linear_ce",
-                        help="linear_ce: fused linear cross-entropy from the hidden states, no logits at all; "
-                             "ce: fused cross-entropy on the lm_head logits (the playbook's configuration)")
-    parser.add_argument("--lce-chunk-size", type=int, default=None,
-                        help="rows per chunk of the fused linear cross-entropy; None = its default budget of chunk "
-                             "logits (LCE_CHUNK_BUDGET_BYTES: 768 rows for LLaMA-3's vocabulary). Smaller chunks: less "
-                             "memory, more dW passes")
-    parser.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True,
-                        help="replace every LlamaMLP by one with the fused SwiGLU kernel")
-    parser.add_argument("--rope", action=argparse.BooleanOptionalAction, default=True,
-                        help="patch transformers' LLaMA apply_rotary_pos_emb with the fused RoPE kernel")
+    add("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
+        help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights (CPU runs)')
+    add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
+    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
+        help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, softmax, matmul; "
+             "flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
+    add("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
+    add("--strict-weights", action="store_true",
+        help="fail instead of falling back to random weights when the weights cannot be loaded")
+    # -- training --------------------------------------------------------------------------------------------------
+    add("--steps", type=int, default=20, help="optimizer steps; the first one (two with --compile-mode "
+        "reduce-overhead) is a warm-up left out of the timing")
+    add("--batch-size", type=int, default=1, help="sequences per micro-batch (per rank with --fsdp)")
+    add("--seq-len", type=int, default=512 if HAS_CUDA else 32,
+        help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
+    add("--grad-accum-steps", type=int, default=1, help="micro-batches whose gradients are summed per optimizer step")
+    add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused",
+        help="torch AdamW: one fused kernel, or multi-tensor (foreach)")
+    add("--lr", type=float, default=1e-5, help="peak AdamW learning rate")
+    add("--lr-scheduler", choices=list(LR_SCHEDULERS), default="constant",
+        help="the rate after --warmup-steps of linear warm-up: held (constant), or decayed to 0 at --steps")
+    add("--warmup-steps", type=int, default=0, help="learning-rate warm-up steps")
+    add("--max-grad-norm", type=float, default=1.0, help="clip the gradients' global norm to this (0: no clipping)")
+    add("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
+    add("--activation-checkpointing", choices=["none", "full", "selective"], default=None,
+        help="recompute the first --checkpoint-layers decoder layers in the backward instead of keeping their "
+             "activations: full = the whole layer; selective = all but attention, whose output and log-sum-exp are "
+             "kept (attention is the part whose cost grows with T^2). Default: the memory plan's choice")
+    # -- data and evaluation ---------------------------------------------------------------------------------------
+    add("--data", default="synthetic", help='"synthetic" (random tokens), a save_to_disk folder, a local '
+        '.txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name')
+    add("--text-field", default="text", help="the column of --data (and --eval-data) that holds the text")
+    add("--eval-data", default=None, help="held-out data, read like --data")
+    add("--eval-split", type=float, default=None, help="instead of --eval-data: hold out this fraction of the tokens "
+        "read from --data (its end)")
+    add("--eval-steps", type=int, default=None, help="evaluate every N steps (and always after the last step)")
+    add("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    # -- saving ----------------------------------------------------------------------------------------------------
+    add("--output-dir", default=None, help="where the fine-tuned model (DIR/final, save_pretrained), the checkpoints "
+        "(DIR/checkpoint-<step>) and the results JSON go")
+    add("--save-steps", type=int, default=None, help="write a checkpoint every N steps (needs --output-dir)")
+    add("--save-total-limit", type=int, default=1, help="checkpoints kept; older ones are deleted after a new one "
+        "is complete")
+    add("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
+    add("--tensorboard", default=None, metavar="DIR", help="write loss, learning rate, tokens/s and held-out loss "
+        "as TensorBoard scalars to DIR")
+    add("--out", default=None, help="JSON results path (default: DIR/results.json with --output-dir, else a file in "
+        "runs/ named after the run's options)")
+    add("--log-interval", type=int, default=1, help="update the progress line every N steps")
+    # -- measurements ----------------------------------------------------------------------------------------------
+    add("--seq-len-search", default=None, metavar="L1,L2,...",
+        help="instead of training: after a short warm-up step that creates the optimizer state, one step per length "
+             "at batch 1, reported as trained / out of memory (in which part of the step) / not tried")
+    add("--warmup-seq-len", type=int, default=None,
+        help="with --seq-len-search: tokens of the warm-up step (default: the first length, at most 2048)")
+    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or "
+        "accelerate launch; --batch-size is per rank")
+    add("--compile", action="store_true", help="torch.compile the model with its loss (on the first step)")
+    add("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile's mode")
+    # -- optimized only: the kernels --------------------------------------------------------------------------------
+    add("--loss", choices=["linear_ce", "ce", "eager"], default="linear_ce",
+        help="linear_ce: fused linear cross-entropy from the hidden states, no logits at all; ce: fused "
+             "cross-entropy on the lm_head logits (the playbook's configuration); eager: transformers' own")
+    add("--lce-chunk-size", type=int, default=None, help="rows per chunk of the fused linear cross-entropy; None = "
+        "its default budget of chunk logits (LCE_CHUNK_BUDGET_BYTES)")
+    for kernel, what in (("rmsnorm", "every LlamaRMSNorm"), ("swiglu", "every LlamaMLP's silu(gate) * up"),
+                         ("rope", "the rotary embedding of q and k")):
+        add(f"--{kernel}", action=argparse.BooleanOptionalAction, default=True, help=f"{what} as a fused kernel")
+    # -- optimized only: memory --------------------------------------------------------------------------------------
+    add("--memory-plan", choices=["auto", "manual"], default="auto",
+        help="auto: before the first step, pick the fastest levers that fit the GPU (levers given by hand are kept, "
+             "the plan fills in the rest) and fall back to the next plan if a step runs out of memory; manual: the "
+             "flags alone")
+    add("--memory-budget-gib", type=float, default=None,
+        help="plan for this much GPU memory instead of what the GPU has (a smaller card; without a GPU, the plan "
+             "for one)")
+    add("--checkpoint-layers", type=int, default=None, metavar="N",
+        help="with checkpointing: checkpoint only the first N decoder layers (manual default: all)")
+    add("--offload-activations", type=int, default=None, metavar="N",
+        help="keep the checkpointed input of the first N decoder layers in pinned host memory")
+    add("--tiled-mlp", type=int, default=None, metavar="TOKENS",
+        help="run every MLP over sequence tiles of TOKENS tokens (the backward recomputes each tile)")
+    add("--optimizer-in-backward", action=argparse.BooleanOptionalAction, default=None,
+        help="step each parameter's AdamW as soon as its gradient is ready, then free that gradient")
+    add("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None,
+        help="AdamW's moments in pinned host memory, streamed through the GPU in the backward (needs the optimizer "
+             "in the backward)")
+    add("--cuda-graph", action="store_true", help="capture the whole training step as one CUDA graph and replay "
+        "it: one launch per step instead of one per kernel (for steps the host cannot launch fast enough: 1x512)")
+    add("--plot", nargs="+", default=None, metavar="JSON", help="instead of training: plot peak GPU memory and "
+        "tokens/s against sequence length from results files (ours, Liger, ...) into --out (a .png)")
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "log_interval", "grad_accum_steps"):
-        if getattr(args, name) <= 0:
+    for name in ("steps", "batch_size", "seq_len", "log_interval", "grad_accum_steps", "eval_batches",
+                 "save_total_limit", "eval_steps", "save_steps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
         parser.error("--seq-len must be at least 2: the loss predicts each next token, so 1 token has none")
     if not 0 < args.lr < math.inf:  # also false for nan
         parser.error(f"--lr must be a positive finite number, got {args.lr}")
+    if not 0 <= args.max_grad_norm < math.inf or not 0 <= args.warmup_steps:
+        parser.error("--max-grad-norm and --warmup-steps must be >= 0")
+    if args.eval_split is not None and (not 0 < args.eval_split < 1 or args.eval_data or args.data == "synthetic"):
+        parser.error("--eval-split takes a fraction between 0 and 1 of --data (not synthetic), not with --eval-data")
+    if (args.save_steps or args.resume) and not args.output_dir:
+        parser.error("--save-steps and --resume need --output-dir")
+    if args.resume and not list(checkpoints(args.output_dir)):
+        parser.error(f"--resume: no complete checkpoint in {args.output_dir} (nothing to resume; drop --resume to "
+                     f"start a new run there)")
     if args.attn_implementation == "flex_attention" and not HAS_CUDA:
         parser.error("--attn-implementation flex_attention needs a GPU: FlexAttention has no backward on the CPU")
     if args.out and Path(args.out).is_dir():  # checked now: the results are written only at the end of the run
         parser.error(f"--out {args.out} is a directory: give the path of the file to write")
-    if args.compile_mode != "default" and not args.compile:
-        parser.error("--compile-mode goes with --compile")
-    if args.compile_mode != "default" and COMPILE_BACKEND != "inductor":
-        parser.error(f"--compile-mode needs a GPU: without one, --compile uses the {COMPILE_BACKEND} backend, which "
-                     f"has no modes")
+    if args.compile_mode != "default" and not (args.compile and COMPILE_BACKEND == "inductor"):
+        parser.error("--compile-mode goes with --compile, on a GPU (without one --compile uses aot_eager, which has "
+                     "no modes)")
     if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
         parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
     if args.plot and not (args.out or "").endswith(".png"):
         parser.error("--plot writes a PNG: give its path with --out FILE.png")
-    if args.warmup_seq_len is not None and args.warmup_seq_len < 2:
-        parser.error("--warmup-seq-len must be at least 2 (the loss predicts each next token)")
-    if args.warmup_seq_len is not None and not args.seq_len_search and args.warmup_seq_len > args.seq_len:
-        # the warm-up trains on the first --warmup-seq-len tokens of a --seq-len batch: there are no more
-        parser.error(f"--warmup-seq-len {args.warmup_seq_len} is longer than --seq-len {args.seq_len}")
-    if args.tiled_mlp is not None and args.tiled_mlp <= 0:
-        parser.error(f"--tiled-mlp takes a positive number of tokens per tile, got {args.tiled_mlp}")
-    if args.offload_activations < 0:
-        parser.error(f"--offload-activations takes a number of layers >= 0, got {args.offload_activations}")
-    if args.offload_activations and args.activation_checkpointing == "none":
-        parser.error("--offload-activations moves checkpointed layer inputs to the host: it needs "
-                     "--activation-checkpointing full or selective")
-    if args.checkpoint_layers is not None and (args.checkpoint_layers <= 0 or args.activation_checkpointing == "none"):
-        parser.error("--checkpoint-layers takes a positive number of layers and needs --activation-checkpointing")
-    if args.checkpoint_layers is not None and args.offload_activations > args.checkpoint_layers:
-        parser.error("--offload-activations cannot exceed --checkpoint-layers: only checkpointed layers are offloaded")
-    if args.measure_recompute and args.activation_checkpointing == "none":
-        parser.error("--measure-recompute compares with and without checkpointing: it needs --activation-checkpointing")
-    if args.optimizer_in_backward and args.grad_accum_steps > 1:
-        parser.error("--optimizer-in-backward steps each parameter as soon as its gradient exists, so gradients "
-                     "cannot be accumulated over micro-batches: use --grad-accum-steps 1")
-    if args.optimizer_in_backward and args.fsdp:
-        parser.error("--optimizer-in-backward cannot be combined with --fsdp (FSDP2 reduces gradients after the "
-                     "backward)")
-    if args.cuda_graph:
-        # A graph replays one fixed sequence of kernels on fixed buffers: the step must have one shape and no host work
-        # between its kernels. torch.compile's reduce-overhead mode is its own use of CUDA graphs.
-        clashes = {"--compile": args.compile, "--fsdp": args.fsdp, "--seq-len-search": args.seq_len_search,
-                   "--optimizer-in-backward": args.optimizer_in_backward,
-                   "--activation-checkpointing": args.activation_checkpointing != "none",
-                   "--warmup-seq-len": args.warmup_seq_len is not None}
-        clash = next((flag for flag, used in clashes.items() if used), None)
-        if clash:
-            parser.error(f"--cuda-graph captures one plain step of one shape: it cannot be combined with {clash}")
+    check_memory_flags(parser, args)
+    if args.warmup_seq_len is not None and (args.warmup_seq_len < 2 or not args.seq_len_search):
+        parser.error("--warmup-seq-len is the --seq-len-search warm-up's length, at least 2")
     if args.seq_len_search:
         try:
             args.seq_len_search = [int(x) for x in args.seq_len_search.split(",")]
@@ -247,7 +237,6 @@ def parse_args(argv=None):
         if args.seq_len_search != sorted(set(args.seq_len_search)) or min(args.seq_len_search) < 2:
             parser.error("--seq-len-search lengths must be at least 2 and increasing")
     if args.fsdp:
-        # --liger exists in finetune_baseline.py only
         combined = [name for name in ("seq_len_search", "compile", "liger") if getattr(args, name, None)]
         if combined:
             parser.error(f"--fsdp cannot be combined with --{combined[0].replace('_', '-')}")
@@ -291,38 +280,29 @@ def host_cpu():
 
 
 def run_info():
+    import triton
     commit, dirty = git_info()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
-        "host": socket.gethostname(),
-        "host_cpu": host_cpu(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton_version,
-        "transformers": transformers.__version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "command": [sys.executable, *sys.argv],
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
+    return {"device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
+            "host": socket.gethostname(), "host_cpu": host_cpu(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
+            "git_commit": commit, "git_dirty": dirty, "command": [sys.executable, *sys.argv],
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
 
 # Options the default JSON name shows in its fixed parts or through the variant (finetune_baseline.py's peers,
 # finetune_optimized.py's kernels), and options that do not change what a run measures.
 NAMED_OPTIONS = {"model", "dtype", "data", "optimizer", "batch_size", "seq_len", "seq_len_search", "fsdp",
-                 "compile", "liger", "loss", "swiglu", "rope"}
-UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights"}
+                 "compile", "liger", "loss", "rmsnorm", "swiglu", "rope"}
+UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights", "output_dir", "tensorboard", "resume"}
 
 
 def default_out_path(args, weights, dtype, variant, world_size):
-    """runs/<script>_<model>-<weights>_<variant>_<data>_<optimizer>_<dtype>_<shape>[_fsdpN][_<option>=<value>...]
-    .json: every other option that changes the run is in the name when it differs from its default, so runs on other
-    data, shapes or settings never overwrite each other's JSON (which holds all the options)."""
+    """DIR/results.json with --output-dir; otherwise runs/<script>_<model>-<weights>_<variant>_<data>_<optimizer>_
+    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that changes the run is in the name when it
+    differs from its default, so runs on other data, shapes or settings never overwrite each other's JSON."""
+    if args.output_dir:
+        return Path(args.output_dir) / "results.json"
     defaults = vars(build_parser().parse_args([]))
     shape = (f"search{'-'.join(map(str, args.seq_len_search))}" if args.seq_len_search
              else f"{args.batch_size}x{args.seq_len}")
@@ -399,6 +379,7 @@ def load_model(args, device, dtype):
     return model, "random"
 
 
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Data: [n_batches, batch, seq_len] token ids. Labels are the inputs themselves (causal LM); the shift happens below.
 
@@ -406,30 +387,28 @@ def load_model(args, device, dtype):
 DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def data_error(args, what):
-    """The one line a bad --data ends the run with (exit code 1), before anything is trained or written."""
-    return SystemExit(f"error: --data {args.data}: {what}")
+def data_error(source, what):
+    """The one line a bad --data or --eval-data ends the run with (exit code 1), before anything is trained."""
+    return SystemExit(f"error: data {source}: {what}")
 
 
-def data_rows(args):
-    """The rows of --data (dicts holding the --text-field column), the way datasets users keep data sets:
-      - a folder written by save_to_disk: load_from_disk (of a DatasetDict, its "train" split or its only one);
-      - a local .txt/.json/.jsonl/.parquet/.csv file: load_dataset(<builder>, data_files=...), streamed, so a big file
-        is read only as far as the run needs (a .txt file is one document, sample_by="document");
-      - another local folder: load_dataset(folder, streaming=True), which picks the builder from the files in it;
-      - anything else: a data set name on the Hub, from the local cache unless --allow-download.
-    Without the datasets package only a .txt file can be read (as one document, the same row the text builder makes)."""
-    path = Path(args.data).expanduser()
+def data_rows(args, source):
+    """The rows of a data set (dicts holding the --text-field column), the way datasets users keep them: a folder
+    written by save_to_disk (of a DatasetDict, its "train" split or its only one); a local .txt/.json/.jsonl/.parquet/
+    .csv file, streamed so a big file is read only as far as the run needs (a .txt file is one document); another local
+    folder (the builder is picked from its files); else a Hub data set, from the local cache unless --allow-download.
+    Without the datasets package only a .txt file can be read (as one document, the row the text builder makes)."""
+    path = Path(source).expanduser()
     if not args.allow_download:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is imported
     try:
         import datasets
     except ImportError:
         if path.is_file() and path.suffix == ".txt":
-            print(f"the datasets package is not installed: reading {args.data} as one plain-text document")
+            print(f"the datasets package is not installed: reading {source} as one plain-text document")
             return [{"text": path.read_text(encoding="utf-8")}]
-        raise data_error(args, "reading it needs the datasets package (pip install -r requirements.txt); without it "
-                               "only a .txt file can be used")
+        raise data_error(source, "reading it needs the datasets package (pip install -r requirements.txt); without "
+                                 "it only a .txt file can be used")
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line instead
     if path.is_dir():
@@ -439,50 +418,48 @@ def data_rows(args):
         if isinstance(rows, datasets.DatasetDict):
             splits = list(rows)
             if "train" not in splits and len(splits) != 1:
-                raise data_error(args, f"a DatasetDict with the splits {splits} and none called train")
+                raise data_error(source, f"a DatasetDict with the splits {splits} and none called train")
             rows = rows["train" if "train" in splits else splits[0]]
         return rows
     if path.is_file():
         builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise data_error(args, f"unknown file type {path.suffix or '(none)'}; --data reads "
-                                   f"{', '.join(DATA_FILE_BUILDERS)} files and save_to_disk folders")
+            raise data_error(source, f"unknown file type {path.suffix or '(none)'}; data is read from "
+                                     f"{', '.join(DATA_FILE_BUILDERS)} files and save_to_disk folders")
         options = {"sample_by": "document"} if builder == "text" else {}
         return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
-    if is_local_path(args.data) or path.suffix.lower() in DATA_FILE_BUILDERS:
-        raise data_error(args, "no such file or folder")
-    return datasets.load_dataset(args.data, split="train")
+    if is_local_path(source) or path.suffix.lower() in DATA_FILE_BUILDERS:
+        raise data_error(source, "no such file or folder")
+    return datasets.load_dataset(source, split="train")
 
 
-def text_encoder(args):
-    """text -> token ids with the model's tokenizer. A model without a tokenizer available offline ("tiny", or
-    weights-less 8B) uses the UTF-8 bytes of the text as token ids (0..255, valid for any vocabulary >= 256)."""
-    if args.model != "tiny":
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
-            return lambda text: tokenizer(text)["input_ids"]
-        except (OSError, ValueError) as err:
-            print(f"no tokenizer for {args.model} ({str(err).strip().splitlines()[0]}): using UTF-8 bytes as token ids")
-    else:
+def load_tokenizer(args):
+    """The model's tokenizer, or None where none is available offline ("tiny", weights-less 8B): the UTF-8 bytes of
+    the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
+    if args.model == "tiny":
         print("the tiny model has no tokenizer: using UTF-8 bytes as token ids")
-    return lambda text: list(text.encode("utf-8"))
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
+    except (OSError, ValueError) as err:
+        print(f"no tokenizer for {args.model} ({str(err).strip().splitlines()[0]}): using UTF-8 bytes as token ids")
+        return None
 
 
-def load_token_stream(args, eos_id, tokens_needed):
-    """Token ids of --data as one 1-D tensor: the --text-field of each row, tokenized, rows joined by EOS; rows with no
-    text (empty or only whitespace) are skipped. A data set that cannot be read, has no such field, is not UTF-8 or
-    holds no text at all ends the run with one error line."""
+def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
+    """Token ids of a data set as one 1-D tensor: the --text-field of each row, tokenized, rows joined by EOS; rows
+    with no text are skipped. A data set that cannot be read, has no such field, is not UTF-8 or holds no text ends the
+    run with one error line."""
+    encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode("utf-8")))
     ids = []
     try:
-        rows = data_rows(args)
-        encode = text_encoder(args)
-        for index, row in enumerate(rows):
+        for index, row in enumerate(data_rows(args, source)):
             if args.text_field not in row:
-                raise data_error(args, f"no field {args.text_field!r} (its fields: {', '.join(map(str, row))}); "
-                                       f"name the text column with --text-field")
+                raise data_error(source, f"no field {args.text_field!r} (its fields: {', '.join(map(str, row))}); "
+                                         f"name the text column with --text-field")
             text = row[args.text_field]
             if not isinstance(text, str):
-                raise data_error(args, f"row {index}: field {args.text_field!r} holds {text!r:.40}, not text")
+                raise data_error(source, f"row {index}: field {args.text_field!r} holds {text!r:.40}, not text")
             if text.strip():
                 ids += encode(text) + [eos_id]
             if len(ids) >= tokens_needed:  # stop early: a big corpus needs only as many tokens as the run trains on
@@ -493,40 +470,50 @@ def load_token_stream(args, eos_id, tokens_needed):
             causes.append(causes[-1].__cause__ or causes[-1].__context__)
         bad_bytes = next((e for e in causes if isinstance(e, UnicodeDecodeError)), None)
         if bad_bytes is not None:
-            raise data_error(args, f"not UTF-8 text (byte 0x{bad_bytes.object[bad_bytes.start]:02x}: "
-                                   f"{bad_bytes.reason}); re-encode it as UTF-8") from None
+            raise data_error(source, f"not UTF-8 text (byte 0x{bad_bytes.object[bad_bytes.start]:02x}: "
+                                     f"{bad_bytes.reason}); re-encode it as UTF-8") from None
         if isinstance(err, StopIteration):  # datasets' json builder on an empty file
-            raise data_error(args, "contains no text") from None
+            raise data_error(source, "contains no text") from None
         reason = next((str(e).strip().splitlines()[0] for e in causes if str(e).strip()), type(err).__name__)
-        if is_local_path(args.data):
-            raise data_error(args, f"cannot be read: {reason}") from None
+        if is_local_path(source):
+            raise data_error(source, f"cannot be read: {reason}") from None
         where = "" if args.allow_download else " offline (not in the local cache; --allow-download fetches it)"
-        raise data_error(args, f"cannot be loaded{where}: {reason}") from None
+        raise data_error(source, f"cannot be loaded{where}: {reason}") from None
     if not ids:
-        raise data_error(args, "contains no text" + (f" in field {args.text_field!r}" if args.text_field != "text"
-                                                     else ""))
+        raise data_error(source, "contains no text" + (f" in field {args.text_field!r}" if args.text_field != "text"
+                                                       else ""))
     return torch.tensor(ids, dtype=torch.long)
 
 
-def make_batches(args, n_batches, vocab_size, eos_id, device, rank=0, world_size=1):
-    # --fsdp: the run draws GLOBAL batches of world_size x batch_size rows and rank r trains rows r::world_size, so the
-    # ranks see different sequences and together exactly what one process with that global batch size would see.
-    global_batch_size = world_size * args.batch_size
-    tokens_needed = n_batches * global_batch_size * args.seq_len
-    if args.data == "synthetic":  # what the playbook trains on: uniform random tokens (loss stays near ln V)
-        generator = torch.Generator().manual_seed(args.seed)
+def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, world_size=1):
+    """[n_batches, batch, seq_len] token ids of `split`: "train" (--steps x --grad-accum-steps micro-batches of --data)
+    or "eval" (--eval-batches of --eval-data, or of the held-out end of --data with --eval-split). The same arguments
+    give the same batches in every run, which is what lets --resume continue the data where the checkpoint left it.
+    --fsdp: the run draws GLOBAL batches of world_size x batch_size rows and rank r trains rows r::world_size."""
+    n_batches = args.steps * args.grad_accum_steps if split == "train" else args.eval_batches
+    rows = world_size * args.batch_size
+    tokens_needed = n_batches * rows * args.seq_len
+    source = args.eval_data if split == "eval" and args.eval_data else args.data
+    if source == "synthetic":  # what the playbook trains on: uniform random tokens (loss stays near ln V)
+        generator = torch.Generator().manual_seed(args.seed + (split == "eval"))  # held-out tokens are others
         stream = torch.randint(0, vocab_size, (tokens_needed,), generator=generator)
     else:
-        stream = load_token_stream(args, eos_id, tokens_needed)
-        if int(stream.max()) >= vocab_size:
-            raise SystemExit(f"error: token id {int(stream.max())} from --data is outside the model's vocabulary "
-                             f"({vocab_size})")
+        # --eval-split: read what training needs plus the held-out share, then hold out the end of what was read
+        train_tokens = args.steps * args.grad_accum_steps * rows * args.seq_len
+        read = math.ceil(train_tokens / (1 - args.eval_split)) if args.eval_split else tokens_needed
+        stream = load_token_stream(args, source, eos_id, tokenizer, read)
+        if args.eval_split:
+            cut = int(stream.numel() * (1 - args.eval_split))
+            stream = stream[:cut] if split == "train" else stream[cut:]
+        if stream.numel() < 2 or int(stream.max()) >= vocab_size:
+            raise data_error(source, f"its {split} part has {stream.numel()} tokens, or ids outside the model's "
+                                     f"vocabulary ({vocab_size})")
         if stream.numel() < tokens_needed:
-            print(f"--data has {stream.numel()} tokens, the run needs {tokens_needed}: cycling through it")
+            print(f"{split} data has {stream.numel()} tokens, the run needs {tokens_needed}: cycling through it")
             stream = stream.repeat(-(-tokens_needed // stream.numel()))
     # Packed: consecutive seq_len windows of the stream (no padding; attention crosses document boundaries, the
     # usual simplification for packed pre-training-style batches).
-    batches = stream[:tokens_needed].view(n_batches, global_batch_size, args.seq_len)
+    batches = stream[:tokens_needed].view(n_batches, rows, args.seq_len)
     return batches[:, rank::world_size].contiguous().to(device)
 
 
@@ -549,19 +536,24 @@ def compute_loss(model, input_ids, shift_labels, loss_impl, lce_chunk_size=None)
                                    return_token_accuracy=True)
         return out.loss, out.token_accuracy
     logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype
-    # Same math as transformers' ForCausalLMLoss (fp32 loss, mean over non-ignored tokens) without an fp32 copy of the
-    # logits. inplace_backward: the gradient overwrites the logits, which is safe because lm_head's backward needs
-    # its input, not its output. Not under torch.compile, where the loss is an operator that may not overwrite its
-    # input: the gradient gets its own buffer there.
-    out = cross_entropy(logits, shift_labels, inplace_backward=not torch.compiler.is_compiling(),
-                        return_token_accuracy=True)
-    return out.loss, out.token_accuracy
+    if loss_impl == "ce":
+        # The same math as below without an fp32 copy of the logits. inplace_backward: the gradient overwrites the
+        # logits, safe because lm_head's backward needs its input, not its output; not under torch.compile, where the
+        # loss is an operator that may not overwrite its input.
+        out = cross_entropy(logits, shift_labels, inplace_backward=not torch.compiler.is_compiling(),
+                            return_token_accuracy=True)
+        return out.loss, out.token_accuracy
+    # transformers' ForCausalLMLoss: upcast the logits to fp32, mean over the non-ignored tokens.
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=-100)
+    with torch.no_grad():  # one more pass over the logits (argmax), as a training loop that logs accuracy does
+        counted = shift_labels != -100
+        accuracy = ((logits.argmax(dim=-1) == shift_labels) & counted).sum() / counted.sum()
+    return loss, accuracy
 
 
 class ModelWithLoss(torch.nn.Module):
-    """The model and compute_loss as one module: the unit FSDP2 shards as its root. The root all-gathers the
-    parameters outside the decoder layers (embedding, final norm, lm_head) around ITS forward, and a loss that reads
-    lm_head.weight outside lm_head's own forward (the fused linear cross-entropy) needs them gathered there."""
+    """The model and compute_loss as one module: the unit FSDP2 shards as its root, and the unit torch.compile
+    compiles (the fused linear cross-entropy reads lm_head.weight outside lm_head's own forward)."""
 
     def __init__(self, model, loss_impl, lce_chunk_size=None):
         super().__init__()
@@ -571,8 +563,1017 @@ class ModelWithLoss(torch.nn.Module):
         return compute_loss(self.model, input_ids, shift_labels, self.loss_impl, self.lce_chunk_size)
 
 
+@torch.no_grad()
+def evaluate(model_with_loss, batches, world_size):
+    """Mean held-out loss and token accuracy over batches ([n, batch, seq_len]), averaged over the ranks."""
+    model_with_loss.eval()
+    results = [model_with_loss(input_ids, shift_labels_of(input_ids)) for input_ids in batches]
+    model_with_loss.train()
+    means = [torch.stack([r[i].float() for r in results]).mean() if results[0][i] is not None else None for i in (0, 1)]
+    if world_size > 1:
+        for mean in filter(None, means):
+            dist.all_reduce(mean.div_(world_size))
+    return [None if mean is None else mean.item() for mean in means]
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Long sequences: what the step keeps, recomputes, tiles or moves to the host (the same code in both fine-tune scripts)
+# Checkpoints: write, keep the last --save-total-limit, resume
+
+def checkpoints(output_dir):
+    """The complete checkpoints in output_dir, oldest first. A checkpoint gets its name checkpoint-<step> only after
+    everything in it is written, so a run killed while writing leaves the earlier ones whole."""
+    folders = Path(output_dir).glob("checkpoint-*") if output_dir else []
+    return sorted((f for f in folders if re.fullmatch(r"checkpoint-\d+", f.name)), key=lambda f: int(f.name[11:]))
+
+
+def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size):
+    """DIR/checkpoint-<step>: model and optimizer state through torch.distributed.checkpoint (every rank writes its
+    own shards), plus the schedule, the step (which is also the data position: the batches are a function of the
+    arguments) and the RNG states. Written as DIR/.partial-checkpoint-<step>, renamed when complete; only then are
+    checkpoints beyond --save-total-limit deleted."""
+    out, t0 = Path(args.output_dir), time.perf_counter()
+    final, partial = out / f"checkpoint-{step}", out / f".partial-checkpoint-{step}"
+    model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
+    size = sum(t.numel() * t.element_size() for part in (model_state, optimizer_state) for t in part.values()
+               if isinstance(t, torch.Tensor))  # a sharded tensor counts its global size
+    out.mkdir(parents=True, exist_ok=True)
+    if size > shutil.disk_usage(out).free:
+        raise SystemExit(f"error: checkpoint-{step} needs {size / 2**30:.1f} GiB and {out} has "
+                         f"{shutil.disk_usage(out).free / 2**30:.1f} GiB free; the earlier checkpoints are kept")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
+    try:
+        with warnings.catch_warnings():  # one process without a process group is the intended use here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+        if rank == 0:
+            rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
+            torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": rng,
+                        "scheduler": schedulers[0].state_dict()}, partial / "trainer_state.pt")
+            partial.rename(final)
+            for old in checkpoints(out)[:-args.save_total_limit]:
+                shutil.rmtree(old)
+    except OSError as err:
+        raise SystemExit(f"error: writing {final} failed ({err}); the earlier checkpoints are kept") from None
+    if world_size > 1:
+        dist.barrier()
+    return {"step": step, "bytes": size, "write_s": time.perf_counter() - t0}
+
+
+def resume(args, model, optimizers, schedulers, world_size):
+    """Loads the latest complete checkpoint of --output-dir into the model, the optimizer(s) and the schedule(s);
+    returns its step. The optimizer state is keyed by parameter name, so it loads whatever the number of optimizers."""
+    folder = checkpoints(args.output_dir)[-1]
+    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    if state["world_size"] != world_size:
+        raise SystemExit(f"error: --resume: {folder} was written by {state['world_size']} ranks, this run has "
+                         f"{world_size}; resume with the same number of processes")
+    model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)  # the tensors to load into
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    except Exception as err:  # DCP reports a missing key or a shape mismatch in its own exception types
+        raise SystemExit(f"error: --resume: {folder} (written for {state['model']}) does not fit this model: "
+                         f"{str(err).strip().splitlines()[-1][:300]}") from None
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=FLAT_STATE)
+    for scheduler in schedulers:
+        scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if HAS_CUDA and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    print(f"resumed from {folder}: step {state['step']} of {args.steps}")
+    return state["step"]
+
+
+def save_final(args, model, tokenizer, rank):
+    """DIR/final: the fine-tuned model as safetensors (save_pretrained; AutoModelForCausalLM.from_pretrained loads
+    it) and its tokenizer where one was loaded. Under FSDP2 the shards are gathered to rank 0 first."""
+    folder = Path(args.output_dir) / "final"
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=args.fsdp))
+    if rank == 0:
+        model.save_pretrained(folder, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        print(f"model: {folder}")
+    return str(folder)
+
+
+def write_results(result, out_path, rank):
+    if rank == 0:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results: {out_path}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Longest trainable sequence: one step per length, after a warm-up step has created the optimizer state
+
+def seq_len_search(args, train_step, phase, vocab, device):
+    """One training step at batch 1 x L for each L of --seq-len-search, reported as "trained", "out of memory" (with
+    the part of the step that ran out and the peak it reached) or "non-finite loss"; the first length that does not
+    train ends the search (longer ones are "not tried")."""
+    generator = torch.Generator().manual_seed(args.seed)
+    warmup_len = args.warmup_seq_len or min(2048, args.seq_len_search[0])
+    print(f"seq-len search (batch 1, synthetic tokens, one step per length after a warm-up step of {warmup_len} "
+          f"tokens): {args.seq_len_search}")
+    train_step(torch.randint(0, vocab, (1, 1, warmup_len), generator=generator).to(device))
+    rows, longest = [], None
+    for seq_len in args.seq_len_search:
+        if rows and rows[-1]["status"] != "trained":
+            rows.append({"seq_len": seq_len, "status": "not tried"})
+            print(f"seq_len {seq_len:>7}: not tried")
+            continue
+        input_ids = torch.randint(0, vocab, (1, 1, seq_len), generator=generator).to(device)
+        if HAS_CUDA:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # hand back the previous length's cached blocks
+            torch.cuda.reset_peak_memory_stats()
+        t0, out_of_memory = time.perf_counter(), False
+        try:
+            loss = train_step(input_ids)[0].item()  # .item(): the step has finished
+        except torch.OutOfMemoryError:
+            out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
+        step_s = time.perf_counter() - t0
+        row = {"seq_len": seq_len, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None}
+        if out_of_memory:
+            row.update(status="out of memory", phase=phase["now"])
+            phase["now"] = "idle"
+            gc.collect()
+            if HAS_CUDA:
+                torch.cuda.empty_cache()
+        elif not math.isfinite(loss):
+            row.update(status="non-finite loss", loss=loss)
+        else:
+            longest = seq_len
+            row.update(status="trained", loss=loss, step_ms=1e3 * step_s, tokens_per_s=seq_len / step_s)
+        rows.append(row)
+        peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
+        detail = {"trained": f"trained, {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s, peak {peak}",
+                  "out of memory": f"out of memory in the {row.get('phase')} (peak {peak})"}
+        print(f"seq_len {seq_len:>7}: {detail.get(row['status'], row['status'])}")
+    print(f"longest batch-1 sequence that trained: {longest}")
+    return {"seq_len_search": {"lengths": args.seq_len_search, "warmup_seq_len": warmup_len, "results": rows,
+                               "longest_trained": longest}}
+
+
+def init_distributed(args):
+    """(rank, world_size, device). --fsdp: join the process group that torchrun or accelerate launch set up, NCCL
+    with one GPU per process (cuda:LOCAL_RANK), gloo on CPU; otherwise one process on the one device."""
+    if not args.fsdp:
+        return 0, 1, "cuda" if HAS_CUDA else "cpu"
+    device = f"cuda:{os.environ['LOCAL_RANK']}" if HAS_CUDA else "cpu"
+    if HAS_CUDA:
+        torch.cuda.set_device(device)  # the current device of synchronize(), max_memory_allocated(), NCCL
+    dist.init_process_group("nccl" if HAS_CUDA else "gloo", device_id=torch.device(device) if HAS_CUDA else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def sync():
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+
+def train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant, rank, world_size):
+    """Steps start_step+1 .. --steps of the training batches, then the summary. The first step(s) of the process are
+    a warm-up left out of the timing (kernels compile, cuBLAS picks algorithms, the optimizer creates its state);
+    every step after it is synchronized around a host timer. Losses stay on the GPU until a progress update reads them
+    (the step has synchronized by then, so that costs no stall)."""
+    micro_batches = batches["train"].view(args.steps, args.grad_accum_steps, *batches["train"].shape[1:])
+    tokens_per_step = world_size * args.grad_accum_steps * args.batch_size * args.seq_len
+    warmup_steps = 2 if args.compile and args.compile_mode == "reduce-overhead" else 1  # the 2nd records its graphs
+    writer = None
+    if args.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(args.tensorboard)
+    records, step_times, evals, saved = [], [], [], []
+    progress = tqdm(range(start_step + 1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
+    for step in progress:
+        if step == start_step + warmup_steps + 1 and HAS_CUDA and warmup_steps == 1:
+            torch.cuda.empty_cache()  # the timed steps' own peak (reduce-overhead's replays allocate nothing new)
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        t0 = time.perf_counter()
+        loss, accuracy, grad_norm = train_step(micro_batches[step - 1])
+        sync()
+        if step > start_step + warmup_steps:
+            step_times.append(time.perf_counter() - t0)
+        records.append((loss, accuracy, grad_norm))
+        scalars = {}
+        if step % args.log_interval == 0 or step == args.steps:
+            scalars = {"train/loss": loss.item(), "train/lr": schedulers[0].get_last_lr()[0]}
+            scalars.update({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {})
+            scalars.update({"train/tokens_per_s": tokens_per_step / step_times[-1]} if step_times else {})
+        if batches["eval"] is not None and (step % (args.eval_steps or args.steps) == 0 or step == args.steps):
+            eval_loss, eval_accuracy = evaluate(model_with_loss, batches["eval"], world_size)
+            evals.append({"step": step, "loss": eval_loss, "token_accuracy": eval_accuracy})
+            scalars.update({"eval/loss": eval_loss, **({"eval/token_accuracy": eval_accuracy} if eval_accuracy else {})})
+        if scalars:
+            progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
+            for name, value in scalars.items() if writer else ():
+                writer.add_scalar(name, value, step)
+        if args.save_steps and step % args.save_steps == 0:
+            saved.append(save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size))
+    progress.close()
+    if writer:
+        writer.close()
+
+    losses = torch.stack([loss for loss, _, _ in records]).tolist()
+    accuracies = None if not records or records[0][1] is None else torch.stack([r[1] for r in records]).tolist()
+    grad_norms = None if not records or records[0][2] is None else torch.stack([r[2] for r in records]).tolist()
+    tokens_per_s = tokens_per_step * len(step_times) / sum(step_times) if step_times else None
+    peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
+    peak_bytes_per_rank = [peak_bytes]
+    if args.fsdp:  # each rank holds its own shards, activations and optimizer state: report every rank's peak
+        peak_bytes_per_rank = [None] * world_size
+        dist.all_gather_object(peak_bytes_per_rank, peak_bytes)
+    print(f"---- summary: {variant} {args.model} {args.batch_size}x{args.seq_len} {args.optimizer} ----")
+    print(f"steps           : {start_step + 1}..{args.steps}, {len(step_times)} timed after {warmup_steps} warm-up")
+    print("tokens/s        : " + (f"{tokens_per_s:,.0f} ({1e3 * sum(step_times) / len(step_times):.1f} ms/step)"
+                                   if tokens_per_s else "n/a (no timed step)")
+          + (f" over {world_size} ranks" if args.fsdp else ""))
+    print("peak GPU memory : " + (", ".join(f"{b / 2**30:.2f} GiB" for b in peak_bytes_per_rank) if HAS_CUDA
+                                   else "n/a (CPU)"))
+    print(f"loss            : {losses[0]:.4f} (step {start_step + 1}) -> {losses[-1]:.4f} (step {args.steps})"
+          + (f" | held-out {evals[-1]['loss']:.4f}" if evals else ""))
+    for checkpoint in saved[-1:]:
+        print(f"checkpoint      : {checkpoint['bytes'] / 2**30:.2f} GiB written in {checkpoint['write_s']:.1f} s "
+              f"(step {checkpoint['step']}, {len(saved)} written)")
+    return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
+            "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
+            "avg_step_ms": 1e3 * sum(step_times) / len(step_times) if step_times else None,
+            "peak_memory_gib": peak_bytes / 2**30 if HAS_CUDA else None, "peak_memory_bytes": peak_bytes,
+            "peak_memory_gib_per_rank": [b / 2**30 if b is not None else None for b in peak_bytes_per_rank],
+            "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
+            "step_ms": [1e3 * s for s in step_times], "evals": evals, "checkpoints": saved}
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    """The script. With --memory-plan auto, a step that runs out of memory hands its plan back here: everything it
+    held is freed, and the run starts over (model included: a step cut off in the backward may have updated part of
+    it) with the next plan, saying so in one line. A run that still does not fit ends with one line that says what
+    to change, not with a traceback through transformers. --seq-len-search: one fresh run per length, each planned
+    for its length."""
+    args = parse_args(argv)
+    if args.plot:
+        return plot_memory(args.plot, args.out)
+    searched = args.seq_len_search if args.seq_len_search and args.memory_plan == "auto" else [None]
+    rows, result = [], None
+    for seq_len in searched:
+        if rows and rows[-1]["status"] != "trained":
+            rows.append({"seq_len": seq_len, "status": "not tried"})
+            print(f"seq_len {seq_len:>7}: not tried")
+            continue
+        one = args if seq_len is None else argparse.Namespace(**{**vars(args), "seq_len_search": [seq_len]})
+        result = fine_tune_with_fallback(one, write=seq_len is None)
+        rows += result["seq_len_search"]["results"] if seq_len is not None else []
+    if rows:  # the per-length runs as one search: the first run's header, every length's row
+        result["options"]["seq_len_search"] = args.seq_len_search
+        result["seq_len_search"] = {"lengths": args.seq_len_search, "results": rows,
+                                    "longest_trained": max((r["seq_len"] for r in rows if r["status"] == "trained"),
+                                                           default=None)}
+        print(f"longest batch-1 sequence that trained: {result['seq_len_search']['longest_trained']}")
+        write_results(result, Path(args.out) if args.out else default_out_path(
+            args, result["weights"], result["dtype"], result["variant"], 1), 0)
+
+
+def fine_tune_with_fallback(args, write=True):
+    tried = []  # plans that ran out of memory
+    while True:
+        failed = None
+        try:
+            return fine_tune(args, tried, write)
+        except torch.OutOfMemoryError as err:
+            failed, torch_says = getattr(err, "memory_plan", None), str(err).split(" Including")[0]
+            if failed is None:  # --memory-plan manual: the flags are the user's to change
+                raise SystemExit(f"error: out of memory on the GPU ({torch_says}). Shorter sequences or batches "
+                                 f"(--seq-len, --batch-size), --memory-plan auto, or --seq-len-search to find the "
+                                 f"longest that fits") from None
+        # outside the except block: the traceback, and with it every tensor of the failed step, is gone
+        gc.collect()
+        torch.cuda.empty_cache()
+        tried.append(failed)
+        print(f"out of memory with the plan {failed.describe()} (estimated {failed.estimated_peak_bytes / 2**30:.1f} "
+              f"GiB; {torch_says}): starting over with the next plan")
+
+
+def fine_tune(args, tried=(), write=True):
+    rank, world_size, device = init_distributed(args)
+    if rank != 0:  # every rank runs this same script: rank 0's copy of the output is enough
+        sys.stdout = open(os.devnull, "w")
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
+    info = run_info()
+    torch.manual_seed(args.seed)  # the same on every rank: identical random weights before FSDP shards them
+    model, weights = load_model(args, device, dtype)
+    model.config.use_cache = False  # training: no KV cache
+    model.train()
+    config = model.config
+
+    # --- what this script changes about the model: the fused kernels (counts checked: a no-op swap is an error) ------
+    replaced, variant, loss_impl = patch_kernels(args, model), kernel_variant(args), args.loss
+    model_with_loss = ModelWithLoss(model, loss_impl, args.lce_chunk_size)
+    # --- memory: the fastest plan that fits (--memory-plan auto) or the flags as given, and its levers ---------------
+    plan = plan_memory(args, model, model_with_loss, device, tried)
+    offloader = apply_levers(model, plan)
+    use_cuda_graph = args.cuda_graph and HAS_CUDA
+    if (use_cuda_graph or args.compile) and args.attn_implementation == "sdpa":
+        causal_sdpa_without_mask(model)
+
+    if args.fsdp:
+        # FSDP2: each decoder layer is one unit that all-gathers its parameters just before its forward (and again for
+        # its backward), frees them after, and reduce-scatters its gradients; the root unit holds the rest.
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model_with_loss)
+    step_module = (torch.compile(model_with_loss, backend=COMPILE_BACKEND, mode=args.compile_mode) if args.compile
+                   else model_with_loss)
+    # After fully_shard: the optimizer holds the sharded parameters (each rank updates its own shard).
+    optimizers, clip_in_backward = make_optimizers(args, model, plan, capturable=use_cuda_graph)
+    schedulers = [get_scheduler(LR_SCHEDULERS[args.lr_scheduler], optimizer, args.warmup_steps, args.steps)
+                  for optimizer in optimizers]
+    phase = {"now": "idle"}  # the part of the step that is running: names what ran out of memory
+
+    def train_step(micro_batches):
+        """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss, the
+        token accuracy (None where the loss does not give it) and the gradient norm, as device tensors: no host sync."""
+        if offloader is not None:
+            offloader.new_step()
+        step_loss, step_accuracy = 0.0, 0.0
+        for input_ids in micro_batches:
+            phase["now"] = "forward"
+            loss, accuracy = step_module(input_ids, shift_labels_of(input_ids))
+            phase["now"] = "backward" + " (with the optimizer steps inside)" * plan.optimizer_in_backward
+            (loss / len(micro_batches)).backward()
+            step_loss = step_loss + loss.detach() / len(micro_batches)
+            step_accuracy = None if accuracy is None else step_accuracy + accuracy / len(micro_batches)
+        phase["now"] = "optimizer step"
+        if clip_in_backward is not None:  # the parameters have stepped already, clipped by the previous step's norm
+            grad_norm = clip_in_backward.end_step()
+        else:
+            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                         if args.max_grad_norm else None)
+        for optimizer, scheduler in zip(optimizers, schedulers):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        phase["now"] = "idle"
+        if args.fsdp:  # the global batch's figures: the mean over ranks (a collective, not a host sync)
+            for value in filter(lambda v: v is not None, (step_loss, step_accuracy)):
+                dist.all_reduce(value.div_(world_size))  # sum of value / world_size (gloo has no AVG)
+        return step_loss, step_accuracy, grad_norm
+
+    print(f"device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "
+          f"transformers {info['transformers']} | commit {info['git_commit']}{'+dirty' if info['git_dirty'] else ''}")
+    print(f"model: {args.model} ({weights} weights), {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"vocab {config.vocab_size}, {str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
+    print(f"{Path(__file__).name}: variant {variant}, optimizer {args.optimizer}, lr {args.lr} ({args.lr_scheduler}), "
+          f"data {args.data}" + (f", replaced {replaced}" * bool(replaced))
+          + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
+    print(f"memory plan ({args.memory_plan}): {plan.reason}")
+    result = {**info, "script": Path(__file__).name, "model": args.model, "weights": weights,
+              "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
+              "replaced": replaced, "world_size": world_size, "options": vars(args),
+              "compile_backend": COMPILE_BACKEND if args.compile else None, "memory_plan": plan_record(plan),
+              "cuda_graph": use_cuda_graph}
+    out_path = Path(args.out) if args.out else default_out_path(args, weights, result["dtype"], variant, world_size)
+    try:
+        if args.seq_len_search:
+            result.update(seq_len_search(args, train_step, phase, config.vocab_size, device))
+            row = result["seq_len_search"]["results"][-1]
+            row["memory_plan"] = plan_record(plan)
+            if row["status"] == "out of memory" and args.memory_plan == "auto":  # main tries the next plan
+                raise torch.OutOfMemoryError(f"in the {row['phase']}, at a peak of {row['peak_gib']:.1f} GiB")
+        else:
+            tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
+            wants_eval = args.eval_data or args.eval_split or args.eval_steps
+            batches = {split: make_batches(args, split, config.vocab_size, config.eos_token_id, tokenizer, device,
+                                           rank, world_size) if split == "train" or wants_eval else None
+                       for split in ("train", "eval")}
+            start_step = resume(args, model, optimizers, schedulers, world_size) if args.resume else 0
+            step_function = capture_step(train_step) if use_cuda_graph else train_step
+            result.update(train(args, step_function, model_with_loss, optimizers, schedulers, batches, start_step,
+                                variant, rank, world_size))
+            result["offload"] = offloader.report() if offloader is not None else None
+            if args.output_dir:
+                result["final_model"] = save_final(args, model, tokenizer, rank)
+    except torch.OutOfMemoryError as err:
+        err.memory_plan = plan if args.memory_plan == "auto" else None  # main starts over with the next plan
+        raise
+    if write:
+        write_results(result, out_path, rank)
+    if args.fsdp:
+        dist.destroy_process_group()
+    return result
+
+
+
+# ======================================================================================================================
+# What is ours, in the order fine_tune uses it: the kernels, the memory plan, the levers, the CUDA graph, the plot.
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The fused kernels
+
+def patch_kernels(args, model):
+    """Swaps in the fused kernels --rmsnorm/--swiglu/--rope ask for; returns {kernel: modules replaced}. Counts are
+    checked: two RMSNorms per decoder layer plus the final norm (65 for 8B), one MLP and one attention per layer."""
+    n_layers, replaced = model.config.num_hidden_layers, {}
+    if args.rmsnorm:
+        replaced["rmsnorm"] = replace_rmsnorm(model, expected=2 * n_layers + 1)
+    if args.swiglu:
+        replaced["swiglu_mlp"] = replace_llama_mlp(model, expected=n_layers)
+    if args.rope:
+        patch_llama_rope(model, expected=n_layers)  # process-wide: LlamaAttention looks the function up at call time
+        replaced["rope_attention"] = n_layers
+    return replaced
+
+
+def kernel_variant(args):
+    """The run's name in reports: its loss and the kernels it uses, e.g. rmsnorm+linear_ce+swiglu+rope."""
+    kernels = [name for name in ("rmsnorm", "swiglu", "rope") if getattr(args, name)]
+    return "+".join(kernels[:1] + [args.loss] + kernels[1:] + (["compile"] if args.compile else []))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The memory plan: which levers this run uses
+
+def check_memory_flags(parser, args):
+    """The memory flags' own rules (parse_args calls this): contradictions are one usage error."""
+    for name in ("checkpoint_layers", "tiled_mlp", "memory_budget_gib"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.offload_activations is not None and args.offload_activations < 0:
+        parser.error(f"--offload-activations takes a number of layers >= 0, got {args.offload_activations}")
+    manual = args.memory_plan == "manual"
+    if (args.offload_activations or args.checkpoint_layers) and args.activation_checkpointing == "none" or (
+            manual and (args.offload_activations or args.checkpoint_layers) and not args.activation_checkpointing):
+        parser.error("--offload-activations and --checkpoint-layers act on checkpointed layers: they need "
+                     "--activation-checkpointing full or selective")
+    if None not in (args.checkpoint_layers, args.offload_activations) and \
+            args.offload_activations > args.checkpoint_layers:
+        parser.error("--offload-activations cannot exceed --checkpoint-layers: only checkpointed layers are offloaded")
+    if args.offload_optimizer and args.optimizer_in_backward is False:
+        parser.error("--offload-optimizer streams AdamW's state through the GPU in the backward: it cannot be "
+                     "combined with --no-optimizer-in-backward")
+    in_backward = args.optimizer_in_backward or args.offload_optimizer
+    if in_backward and args.grad_accum_steps > 1:
+        parser.error("--optimizer-in-backward steps each parameter as soon as its gradient exists, so gradients "
+                     "cannot be accumulated over micro-batches: use --grad-accum-steps 1")
+    if in_backward and args.fsdp:
+        parser.error("--optimizer-in-backward cannot be combined with --fsdp (FSDP2 reduces gradients after the "
+                     "backward)")
+    if args.cuda_graph:
+        # A graph replays one fixed sequence of kernels on fixed buffers: one shape, no host work between kernels, and
+        # a learning rate baked into the captured optimizer step.
+        clashes = {"--compile": args.compile, "--fsdp": args.fsdp, "--seq-len-search": args.seq_len_search,
+                   "--optimizer-in-backward": in_backward, "--resume": args.resume,
+                   "--activation-checkpointing": args.activation_checkpointing not in (None, "none"),
+                   "--lr-scheduler other than constant, or --warmup-steps": args.lr_scheduler != "constant"
+                   or args.warmup_steps}
+        clash = next((flag for flag, used in clashes.items() if used), None)
+        if clash:
+            parser.error(f"--cuda-graph captures one plain step of one shape: it cannot be combined with {clash}")
+
+
+def given_levers(args, n_layers):
+    """The levers set by hand, named as the plan names them. With --memory-plan manual (and --cuda-graph, whose
+    captured step takes no lever) every lever is given: an unset one is off."""
+    if args.memory_plan == "manual" or args.cuda_graph:
+        mode = args.activation_checkpointing or "none"
+        return {"activation_checkpointing": mode,
+                "checkpoint_layers": 0 if mode == "none" else args.checkpoint_layers or n_layers,
+                "offload_layers": args.offload_activations or 0, "tiled_mlp": args.tiled_mlp,
+                "optimizer_in_backward": bool(args.optimizer_in_backward or args.offload_optimizer),
+                "offload_optimizer": bool(args.offload_optimizer)}
+    given = {"activation_checkpointing": args.activation_checkpointing,
+             "checkpoint_layers": 0 if args.activation_checkpointing == "none" else args.checkpoint_layers,
+             "offload_layers": args.offload_activations, "tiled_mlp": args.tiled_mlp,
+             "optimizer_in_backward": True if args.offload_optimizer else args.optimizer_in_backward,
+             "offload_optimizer": args.offload_optimizer}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def host_memory_bytes():
+    """The host memory pinned offloads may take: 80 % of what the kernel reports available (Linux' MemAvailable)."""
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return int(0.8 * int(meminfo["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def plan_memory(args, model, model_with_loss, device, tried=()):
+    """The levers of this run. --memory-plan manual: the flags. auto: the cheapest plan (plan_cost) whose estimated
+    peak fits the GPU's memory (or --memory-budget-gib), with the levers given by hand kept; a plan that ran out of
+    memory (tried) rules out every plan estimated at as much or more. The estimate's per-token bytes come from one
+    probe forward at a short length on the GPU; without a GPU they are counted from the config (there is no GPU
+    memory to plan for, unless --memory-budget-gib names some)."""
+    n_layers, tokens = model.config.num_hidden_layers, args.batch_size * args.seq_len
+    given = given_levers(args, n_layers)
+    model_bytes = measure_model_bytes(args, model, model_with_loss, device)
+    if args.memory_plan == "manual" or args.cuda_graph:
+        plan = MemoryPlan(**{**dataclasses.asdict(MemoryPlan()), **given})
+        plan.estimated_peak_bytes, plan.estimated_parts = estimate_peak_bytes(plan, model_bytes, args.batch_size,
+                                                                              args.seq_len)
+        plan.reason = f"{plan.describe()} (as given; estimated peak {plan.estimated_peak_bytes / 2**30:.1f} GiB)"
+        return plan
+    if args.memory_budget_gib is not None:
+        budget, where = int(args.memory_budget_gib * 2**30), "--memory-budget-gib"
+    elif HAS_CUDA:
+        free, _ = torch.cuda.mem_get_info(device)
+        # what this process holds now (the weights) is part of the estimate; keep 3 % + 1 GiB for the CUDA context's
+        # growth, cuBLAS workspaces and the allocator's rounding
+        budget, where = int(0.97 * (free + torch.cuda.memory_allocated(device))) - 2**30, "this GPU"
+    else:
+        plan = MemoryPlan(reason="no lever: without a GPU there is no GPU memory to plan for (--memory-budget-gib "
+                                 "plans for one)")
+        return plan
+    host = host_memory_bytes()
+    fitting = fitting_plans(budget, model_bytes, args.batch_size, args.seq_len, given, host)
+    if tried:
+        fitting = [plan for plan in fitting
+                   if plan.estimated_peak_bytes < min(failed.estimated_peak_bytes for failed in tried)]
+    if not fitting:
+        _, leanest = choose_plan(0, model_bytes, args.batch_size, args.seq_len, given, host)
+        raise SystemExit(f"error: no memory plan fits {tokens} tokens per step in {budget / 2**30:.1f} GiB of "
+                         f"{where}" + (f" after {len(tried)} ran out of memory" if tried else "")
+                         + f": the leanest ({leanest.describe()}) needs about {leanest.estimated_peak_bytes / 2**30:.1f}"
+                         f" GiB ({format_parts(leanest.estimated_parts)}) and {leanest.estimated_host_bytes / 2**30:.1f}"
+                         f" GiB of host memory ({host / 2**30:.1f} GiB usable). Shorter sequences or a larger GPU")
+    plan = fitting[0]
+    plan.reason = (f"{plan.describe()}: the fastest of {len(fitting)} plans that fit {budget / 2**30:.1f} GiB of "
+                   f"{where} (estimated peak {plan.estimated_peak_bytes / 2**30:.1f} GiB: "
+                   f"{format_parts(plan.estimated_parts)}; +{plan.cost:.0%} step time)")
+    return plan
+
+
+def measure_model_bytes(args, model, model_with_loss, device):
+    """ModelBytes for the estimate: counts from the config, and the bytes a decoder layer keeps per token from one
+    probe forward (grad mode on, no lever, at most 1024 tokens) on the GPU. Without a GPU those are counted from the
+    config: a LLaMA layer keeps about 8 hidden-sized and 3 intermediate-sized tensors per token (its norms' inputs,
+    q, k, v, attention's output, o_proj's input, the MLP's gate, up and their product)."""
+    config, probe_tokens = model.config, min(args.seq_len, 1024)
+    itemsize = next(model.parameters()).element_size()
+    if HAS_CUDA and args.memory_plan == "auto" and not args.cuda_graph:
+        probe = torch.randint(0, config.vocab_size, (1, probe_tokens), device=device)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss, _ = model_with_loss(probe, shift_labels_of(probe))
+        forward_peak = torch.cuda.max_memory_allocated(device)
+        del loss  # frees the probe's graph and activations
+    else:
+        before = 0
+        per_token = config.num_hidden_layers * (8 * config.hidden_size + 3 * config.intermediate_size) * itemsize
+        forward_peak = probe_tokens * (per_token + 2 * config.hidden_size * itemsize + 4)
+    return probe_model_bytes(config, forward_peak, before, probe_tokens, param_itemsize=itemsize,
+                             optimizer_state_itemsize=itemsize)
+
+
+def plan_record(plan):
+    """The plan as the results JSON keeps it: its levers (what --memory-plan manual needs to repeat the run: the flags
+    of the same names), the estimate and the reason."""
+    return {**plan.levers(), "estimated_peak_gib": plan.estimated_peak_bytes / 2**30,
+            "estimated_parts_gib": {name: value / 2**30 for name, value in plan.estimated_parts.items()},
+            "estimated_host_gib": plan.estimated_host_bytes / 2**30, "estimated_cost": plan.cost,
+            "reason": plan.reason}
+
+
+def apply_levers(model, plan):
+    """Puts the plan's activation levers on the model; returns the ActivationOffloader, or None. (The optimizer's
+    levers are make_optimizers'.)"""
+    if plan.tiled_mlp:
+        tile_mlps(model, plan.tiled_mlp)  # after the MLP swap: it tiles whatever forward the MLP now has
+    if plan.activation_checkpointing == "none":
+        return None
+    return enable_activation_checkpointing(model, plan.activation_checkpointing, plan.offload_layers,
+                                           plan.checkpoint_layers)
+
+
+def make_optimizers(args, model, plan, capturable=False):
+    """(optimizers, ClipInBackward or None): one fused/foreach AdamW over every parameter, or with the optimizer in
+    the backward one AdamW per parameter stepped by a hook (its state on the host with offload_optimizer)."""
+    adamw = dict(lr=args.lr, foreach=args.optimizer == "adamw_foreach", fused=args.optimizer == "adamw_fused")
+    if not plan.optimizer_in_backward:
+        return [torch.optim.AdamW(model.parameters(), capturable=capturable, **adamw)], None
+    # the clipping hooks come first: a parameter's hooks run in the order they were registered
+    clip = ClipInBackward(model, args.max_grad_norm) if args.max_grad_norm else None
+    if plan.offload_optimizer:
+        return [OffloadedAdamW(model.parameters(), in_backward=True, **adamw)], clip
+    return list(optimizer_in_backward(model, lambda params: torch.optim.AdamW(params, **adamw)).values()), clip
+
+
+class ClipInBackward:
+    """Gradient clipping for the optimizer in the backward. The global gradient norm is known only after the last
+    gradient, too late for the parameters stepped already; so each parameter's gradient is scaled by the clipping
+    factor of the PREVIOUS step (max_norm / its global norm, at most 1; none on the first step) just before it
+    steps, and this step's norm is summed on the way for the next. Adam's update changes little under a gradient
+    scale that changes slowly, so this tracks the plain clipped step closely, but not bit for bit when clipping
+    acts. Device tensors throughout: no host sync."""
+
+    def __init__(self, model, max_norm):
+        self.max_norm, self.squared_norm, self.factor = max_norm, None, None
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self.clip)
+
+    def clip(self, param):
+        squared = param.grad.detach().float().pow(2).sum()
+        self.squared_norm = squared if self.squared_norm is None else self.squared_norm + squared
+        if self.factor is not None:
+            param.grad.mul_(self.factor.to(param.grad.dtype))
+
+    def end_step(self):
+        """This step's global gradient norm (before clipping), which sets the next step's factor."""
+        norm, self.squared_norm = self.squared_norm.sqrt(), None
+        self.factor = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)  # the factor torch's clip_grad_norm_ uses
+        return norm
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What the estimate needs to know about the model
+
+# The hardware rates of the cost model (an H100 SXM): the bf16 matmul rate a training step reaches (the 1x262144 step
+# of Llama-3.1-8B, 6.6e16 FLOP in 183 s, runs at ~360 TFLOP/s) and the pinned host<->GPU copy rate over PCIe 5.0 x16
+# (~50 GB/s a direction in theory, about half of it measured with other traffic on the bus).
+MATMUL_FLOPS_PER_S = 400e12
+PCIE_BYTES_PER_S = 25e9
+# Share of the activation copies' PCIe time that shows in the step time: they run on a side stream, overlapped with
+# the compute of the layers around them (one layer's input at 131072 tokens: ~40 ms of copy against ~2 s of compute).
+OFFLOAD_EXPOSED_FRACTION = 0.1
+# Launching one MLP tile's forward and backward kernels (~30 launches) plus its recompute's Python: per tile per layer.
+TILE_OVERHEAD_S = 1e-3
+# The optimizer in the backward runs one small AdamW per parameter instead of one multi-tensor kernel: almost free, but
+# not quite, so a plan that does not need it does not take it.
+OPTIMIZER_IN_BACKWARD_COST = 1e-3
+# The MLP tile sizes (tokens per sequence) a plan may choose; smaller tiles hold less and launch more.
+TILE_TOKENS_CHOICES = (16384, 4096, 1024)
+CHECKPOINT_MODES = ("none", "selective", "full")
+LEVERS = ("activation_checkpointing", "checkpoint_layers", "offload_layers", "tiled_mlp", "optimizer_in_backward",
+          "offload_optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBytes:
+    """What a step's peak depends on. Counts and bytes come from the config; the per-token activation bytes of a
+    decoder layer that keeps everything come from one probe step (probe_model_bytes)."""
+    n_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    param_count: int
+    layer_param_count: int  # one decoder layer's parameters (attention, MLP, its two norms)
+    largest_param_count: int  # the largest single parameter tensor (embedding or lm_head): the optimizer steps one
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    activation_itemsize: int  # bytes per element of the activations (2 for bf16)
+    layer_bytes_per_token: float  # kept for the backward by one decoder layer without checkpointing (probed)
+    loss_bytes_per_token: float  # kept by the final norm and the loss (from the config)
+    loss_fixed_bytes: int  # the loss's transient that does not grow with tokens (the linear CE's chunk of logits)
+    recompute_bytes_per_token: float  # transient of one checkpointed layer's backward: its rebuilt activations and
+    # the gradients in flight
+
+    @property
+    def input_bytes_per_token(self):
+        """What a checkpointed layer keeps: its input hidden states."""
+        return self.hidden_size * self.activation_itemsize
+
+    @property
+    def attention_bytes_per_token(self):
+        """What selective checkpointing keeps besides the input: attention's output and its fp32 log-sum-exp."""
+        return self.hidden_size * self.activation_itemsize + 4 * self.num_attention_heads
+
+    @property
+    def mlp_bytes_per_token(self):
+        """What an MLP keeps for its backward: gate and up projections and their product (down_proj's input)."""
+        return 3 * self.intermediate_size * self.activation_itemsize
+
+    def grad_bytes_of(self, n_params):
+        return n_params * self.grad_bytes / self.param_count
+
+    def state_bytes_of(self, n_params):
+        return n_params * self.optimizer_state_bytes / self.param_count
+
+
+def llama_param_counts(config):
+    """(total, one decoder layer, largest tensor) parameter counts of a LLaMA-shaped decoder (no biases), exactly from
+    the config: q/o projections h x h, k/v h x kv_heads*head_dim, a gated MLP of three h x I matrices, two norms per
+    layer, the final norm, the embedding, and lm_head unless tied to the embedding."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_width = config.num_key_value_heads * head_dim
+    layer = h * heads * head_dim * 2 + h * kv_width * 2 + 3 * h * config.intermediate_size + 2 * h
+    embedding = config.vocab_size * h
+    head = 0 if config.tie_word_embeddings else embedding
+    return config.num_hidden_layers * layer + embedding + head + h, layer, embedding
+
+
+def probe_model_bytes(config, forward_peak_bytes, allocated_before_bytes, probe_tokens, *, param_itemsize,
+                      optimizer_state_itemsize, optimizer_moments=2, activation_itemsize=None, loss_fixed_bytes=0,
+                      loss_bytes_per_token=None, backward_extra_bytes_per_token=None):
+    """ModelBytes from one probe step without levers, after the optimizer state exists (a warm-up step).
+
+    forward_peak_bytes: torch.cuda.max_memory_allocated() right after the forward and the loss of the probe step
+    (reset_peak_memory_stats() just before it); allocated_before_bytes: memory_allocated() at that reset (weights and
+    optimizer state; the gradients were freed by zero_grad(set_to_none=True)). The forward's peak, not the step's:
+    the step's peak mixes in gradients and, at short probes, is set by the optimizer step, not by activations.
+
+    What the config gives exactly is computed, not probed: parameter, gradient and optimizer-state bytes; what a
+    checkpointed layer keeps (its input, hidden * itemsize per token); what selective checkpointing adds (attention's
+    output and its fp32 log-sum-exp, 4 bytes per head); the loss's part, by default the final RMSNorm's input (hidden *
+    itemsize) and fp32 rstd (4) plus the hidden states' gradient the fused linear cross-entropy computes in the forward
+    (hidden * itemsize). The probe then gives the one number the config cannot: per token, what a decoder layer keeps
+    without checkpointing, (forward peak - before - loss_fixed_bytes) / tokens - loss part, over the layers.
+
+    The recompute transient of a checkpointed layer is its activations rebuilt in the backward plus the gradients in
+    flight: the gradient arriving at its output and the one it returns for its input (2 * hidden * itemsize per token
+    by default; the backward frees the rebuilt activations as it consumes them)."""
+    if probe_tokens <= 0 or forward_peak_bytes <= allocated_before_bytes:
+        raise ValueError(f"probe_model_bytes: a probe of {probe_tokens} tokens must raise the peak above the "
+                         f"{allocated_before_bytes} bytes allocated before it (got {forward_peak_bytes})")
+    activation_itemsize = activation_itemsize or param_itemsize
+    h = config.hidden_size
+    if loss_bytes_per_token is None:
+        loss_bytes_per_token = 2 * h * activation_itemsize + 4
+    if backward_extra_bytes_per_token is None:
+        backward_extra_bytes_per_token = 2 * h * activation_itemsize
+    forward_bytes_per_token = (forward_peak_bytes - allocated_before_bytes - loss_fixed_bytes) / probe_tokens
+    layer_bytes_per_token = (forward_bytes_per_token - loss_bytes_per_token) / config.num_hidden_layers
+    if layer_bytes_per_token <= h * activation_itemsize:
+        raise ValueError(f"probe_model_bytes: {layer_bytes_per_token:.0f} bytes per token per layer is less than one "
+                         f"layer's input: was the probe step run without checkpointing, with the peak reset?")
+    param_count, layer_param_count, largest_param_count = llama_param_counts(config)
+    return ModelBytes(
+        n_layers=config.num_hidden_layers, hidden_size=h, intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads, vocab_size=config.vocab_size, param_count=param_count,
+        layer_param_count=layer_param_count, largest_param_count=largest_param_count,
+        param_bytes=param_count * param_itemsize, grad_bytes=param_count * param_itemsize,
+        optimizer_state_bytes=optimizer_moments * param_count * optimizer_state_itemsize,
+        activation_itemsize=activation_itemsize, layer_bytes_per_token=layer_bytes_per_token,
+        loss_bytes_per_token=loss_bytes_per_token, loss_fixed_bytes=loss_fixed_bytes,
+        recompute_bytes_per_token=layer_bytes_per_token + backward_extra_bytes_per_token)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The estimate: the step's memory at each of its moments, and the largest of them
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """The levers of one step and what they are estimated to cost. Checkpointing applies to the first
+    checkpoint_layers decoder layers (one mode for all of them, as enable_activation_checkpointing takes it), offload
+    to the first offload_layers of those."""
+    activation_checkpointing: str = "none"
+    checkpoint_layers: int = 0
+    offload_layers: int = 0
+    tiled_mlp: int | None = None  # tokens per tile, or None
+    optimizer_in_backward: bool = False
+    offload_optimizer: bool = False
+    estimated_peak_bytes: int = 0
+    estimated_parts: dict = dataclasses.field(default_factory=dict)  # bytes per part at the peak; they sum to it
+    estimated_host_bytes: int = 0  # pinned host memory the offloads hold
+    cost: float = 0.0  # estimated extra step time, as a fraction of a step without levers
+    reason: str = ""
+
+    def levers(self):
+        return {name: getattr(self, name) for name in LEVERS}
+
+    def describe(self):
+        parts = []
+        if self.activation_checkpointing != "none":
+            parts.append(f"{self.activation_checkpointing} checkpointing on {self.checkpoint_layers} layers")
+        if self.offload_layers:
+            parts.append(f"{self.offload_layers} layer inputs offloaded")
+        if self.tiled_mlp:
+            parts.append(f"MLP tiles of {self.tiled_mlp}")
+        if self.offload_optimizer:
+            parts.append("optimizer state offloaded (in backward)")
+        elif self.optimizer_in_backward:
+            parts.append("optimizer in backward")
+        return ", ".join(parts) or "no lever"
+
+
+def check_levers(levers, n_layers):
+    """A ValueError for lever settings that cannot run together (the same rules finetune_optimized.py's flags
+    follow)."""
+    mode, layers, offload = levers["activation_checkpointing"], levers["checkpoint_layers"], levers["offload_layers"]
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"activation_checkpointing must be one of {CHECKPOINT_MODES}, got {mode!r}")
+    if (mode == "none") != (layers == 0) or not 0 <= layers <= n_layers:
+        raise ValueError(f"checkpoint_layers {layers}: 1..{n_layers} with checkpointing, 0 without")
+    if not 0 <= offload <= layers:
+        raise ValueError(f"offload_layers {offload}: only checkpointed layers ({layers}) can be offloaded")
+    if levers["tiled_mlp"] is not None and levers["tiled_mlp"] <= 0:
+        raise ValueError(f"tiled_mlp takes a positive number of tokens, got {levers['tiled_mlp']}")
+    if levers["offload_optimizer"] and not levers["optimizer_in_backward"]:
+        raise ValueError("offload_optimizer streams the state through the GPU in the backward: it needs "
+                         "optimizer_in_backward")
+
+
+def estimate_peak_bytes(plan, model_bytes, batch, seq_len):
+    """(peak bytes, {part: bytes}) of a steady-state step (the optimizer state already exists) under plan's levers.
+
+    The step is followed through its moments, and the largest wins:
+      - the loss: every layer's kept activations, the loss's own, and lm_head's gradient (the fused linear
+        cross-entropy computes it in the forward);
+      - the backward of each decoder layer, last to first: the activations of the layers below it still kept,
+        the gradients so far (those of the layers above it and lm_head's; with the optimizer in the backward only
+        the one being stepped, at most the largest tensor's) and the layer's backward transient (a checkpointed
+        layer's recompute; an offloaded layer's input back on the GPU with the next one's prefetched; a tile's MLP);
+      - the optimizer step (without the optimizer in the backward): all the gradients at once.
+    The parts: weights, gradients, optimizer_state, kept_activations, recompute_transient, loss."""
+    mb, tokens = model_bytes, batch * seq_len
+    levers = plan.levers()
+    check_levers(levers, mb.n_layers)
+    tiled = plan.tiled_mlp is not None and plan.tiled_mlp < seq_len  # a sequence within one tile runs untiled
+    # With MLP tiles an MLP keeps none of its [tokens, intermediate] tensors: one tile's exist, rebuilt for its
+    # backward, which holds the MLP input's gradient twice (as tile pieces and concatenated).
+    mlp_not_kept = mb.mlp_bytes_per_token if tiled else 0
+    tile_bytes = batch * plan.tiled_mlp * mb.mlp_bytes_per_token if tiled else 0
+    tile_gradient = 2 * mb.input_bytes_per_token if tiled else 0
+    optimizer_gpu = (2 * mb.state_bytes_of(mb.largest_param_count) if plan.offload_optimizer  # current + prefetch
+                     else mb.optimizer_state_bytes)
+    largest_grad = mb.grad_bytes_of(mb.largest_param_count)
+
+    # Per token, what a layer keeps and its backward's transient, for the three kinds of layers: checkpointed and
+    # offloaded (the first offload_layers), checkpointed (up to checkpoint_layers), plain (the rest). The recompute
+    # rebuilds what a checkpointed layer did not keep; an offloaded input comes back to the GPU for it while the next
+    # offloaded layer's input is prefetched.
+    kept_by_checkpoint = mb.input_bytes_per_token + (
+        mb.attention_bytes_per_token if plan.activation_checkpointing == "selective" else 0)
+    checkpointed = (kept_by_checkpoint,
+                    mb.recompute_bytes_per_token - kept_by_checkpoint - mlp_not_kept + tile_gradient)
+    offloaded = (checkpointed[0] - mb.input_bytes_per_token, checkpointed[1] + 2 * mb.input_bytes_per_token)
+    plain = (mb.layer_bytes_per_token - mlp_not_kept,  # its backward adds only the gradients in flight
+             mb.recompute_bytes_per_token - mb.layer_bytes_per_token + tile_gradient)
+    n_offloaded, n_checkpointed = plan.offload_layers, plan.checkpoint_layers - plan.offload_layers
+
+    def kept_up_to(layer):  # layers 0..layer, bytes per token
+        below = layer + 1
+        return (min(below, n_offloaded) * offloaded[0]
+                + min(max(below - n_offloaded, 0), n_checkpointed) * checkpointed[0]
+                + max(below - plan.checkpoint_layers, 0) * plain[0])
+
+    def transient(layer):
+        return (offloaded if layer < n_offloaded else checkpointed if layer < plan.checkpoint_layers else plain)[1]
+
+    # Within each kind the memory at a layer's backward is linear in the layer's index (kept activations below it,
+    # gradients above it): its largest value is at one end of the kind's range of layers.
+    ends = {0, n_offloaded - 1, n_offloaded, plan.checkpoint_layers - 1, plan.checkpoint_layers, mb.n_layers - 1}
+    layers = sorted((layer for layer in ends if 0 <= layer < mb.n_layers), reverse=True)
+    # Each moment as (gradients, kept activations, recompute transient, loss); weights and optimizer state are the
+    # same at every moment.
+    moments = [(largest_grad, kept_up_to(mb.n_layers - 1) * tokens, 0,
+                mb.loss_bytes_per_token * tokens + mb.loss_fixed_bytes)]
+    layer_grad = mb.grad_bytes_of(mb.layer_param_count)
+    for layer in layers:
+        gradients = largest_grad + (0 if plan.optimizer_in_backward else (mb.n_layers - layer) * layer_grad)
+        moments.append((gradients, kept_up_to(layer) * tokens, transient(layer) * tokens + tile_bytes, 0))
+    if not plan.optimizer_in_backward:
+        moments.append((mb.grad_bytes, 0, 0, 0))
+    gradients, kept_bytes, transient_bytes, loss_bytes = max(moments, key=sum)
+    parts = {"weights": mb.param_bytes, "gradients": gradients, "optimizer_state": optimizer_gpu,
+             "kept_activations": kept_bytes, "recompute_transient": transient_bytes, "loss": loss_bytes}
+    parts = {name: int(round(value)) for name, value in parts.items()}
+    return sum(parts.values()), parts
+
+
+def estimate_host_bytes(plan, model_bytes, batch, seq_len):
+    """Pinned host bytes the plan's offloads hold: the offloaded layer inputs and the optimizer's moments."""
+    activations = plan.offload_layers * model_bytes.input_bytes_per_token * batch * seq_len
+    return int(activations + (model_bytes.optimizer_state_bytes if plan.offload_optimizer else 0))
+
+
+def plan_cost(plan, model_bytes, batch, seq_len):
+    """Estimated extra step time of plan's levers, as a fraction of a step without levers.
+
+    A step without levers: 3 forwards' worth of FLOPs (the backward is two), a forward being, per token, 2 FLOP per
+    weight plus causal attention's 2 * 2 * (seq_len / 2) * hidden (QK^T and PV over half the keys on average), at
+    MATMUL_FLOPS_PER_S. Each lever adds:
+      - optimizer in the backward: OPTIMIZER_IN_BACKWARD_COST (~0);
+      - selective checkpointing, per layer: the layer's forward without attention (its matmuls);
+      - full checkpointing, per layer: the layer's whole forward (c_full > c_sel, by attention's share, which grows
+        with the sequence);
+      - activation offload, per layer: OFFLOAD_EXPOSED_FRACTION of its input's PCIe round trip;
+      - MLP tiles: every MLP's forward once more plus TILE_OVERHEAD_S per tile and layer;
+      - optimizer-state offload: both moments to the GPU and back over PCIe every step, all of it (the copies
+        overlap the backward, but the step cannot end before they do): the most expensive lever at short sequences,
+        where a step's compute is short.
+    The costs add up; they only rank plans, so their rates need to be right in proportion, not to the percent."""
+    mb, tokens = model_bytes, batch * seq_len
+    attention_flops = 2 * 2 * (seq_len / 2) * mb.hidden_size
+    layer_forward_s = (2 * mb.layer_param_count + attention_flops) * tokens / MATMUL_FLOPS_PER_S
+    matmul_forward_s = 2 * mb.layer_param_count * tokens / MATMUL_FLOPS_PER_S
+    mlp_forward_s = 2 * 3 * mb.hidden_size * mb.intermediate_size * tokens / MATMUL_FLOPS_PER_S
+    head_forward_s = 2 * mb.vocab_size * mb.hidden_size * tokens / MATMUL_FLOPS_PER_S
+    step_s = 3 * (mb.n_layers * layer_forward_s + head_forward_s)
+
+    extra_s = {"none": 0, "selective": matmul_forward_s, "full": layer_forward_s}[plan.activation_checkpointing] \
+        * plan.checkpoint_layers
+    extra_s += OFFLOAD_EXPOSED_FRACTION * plan.offload_layers * 2 * mb.input_bytes_per_token * tokens \
+        / PCIE_BYTES_PER_S
+    if plan.tiled_mlp is not None and plan.tiled_mlp < seq_len:
+        extra_s += mb.n_layers * (mlp_forward_s + math.ceil(seq_len / plan.tiled_mlp) * TILE_OVERHEAD_S)
+    if plan.offload_optimizer:
+        extra_s += 2 * mb.optimizer_state_bytes / PCIE_BYTES_PER_S
+    return extra_s / step_s + (OPTIMIZER_IN_BACKWARD_COST if plan.optimizer_in_backward else 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The choice: the cheapest candidate that fits
+
+def candidate_levers(n_layers, seq_len, given):
+    """Every combination of levers (with the given ones fixed), as dicts."""
+    modes = [given["activation_checkpointing"]] if "activation_checkpointing" in given else CHECKPOINT_MODES
+    tiles = [None] + [tile for tile in TILE_TOKENS_CHOICES if tile < seq_len]
+    for mode in modes:
+        for layers in ([0] if mode == "none" else range(1, n_layers + 1)):
+            for offload, tile, in_backward, offload_optimizer in itertools.product(
+                    range(layers + 1), tiles, (False, True), (False, True)):
+                levers = dict(zip(LEVERS, (mode, layers, offload, tile, in_backward, offload_optimizer)))
+                if offload_optimizer and not in_backward:
+                    continue
+                if all(levers[name] == value for name, value in given.items()):
+                    yield levers
+
+
+@functools.lru_cache(maxsize=64)
+def ranked_candidates(model_bytes, batch, seq_len, given_items, host_budget_bytes):
+    """The candidates whose offloads fit the host, each estimated, cheapest first (ties: the smaller peak first).
+    Independent of the GPU budget: every budget picks from this same list, which makes the choice monotone."""
+    given = dict(given_items)
+    candidates = []
+    for levers in candidate_levers(model_bytes.n_layers, seq_len, given):
+        plan = MemoryPlan(**levers)
+        plan.estimated_host_bytes = estimate_host_bytes(plan, model_bytes, batch, seq_len)
+        if plan.estimated_host_bytes > host_budget_bytes:
+            continue
+        plan.estimated_peak_bytes, plan.estimated_parts = estimate_peak_bytes(plan, model_bytes, batch, seq_len)
+        plan.cost = plan_cost(plan, model_bytes, batch, seq_len)
+        candidates.append(plan)
+    if not candidates:
+        raise ValueError(f"no plan has the given levers {given} within {host_budget_bytes / 2**30:.1f} GiB of host "
+                         f"memory")
+    candidates.sort(key=lambda plan: (plan.cost, plan.estimated_peak_bytes))
+    return tuple(candidates)
+
+
+def _validated_given(given, n_layers):
+    given = dict(given or {})
+    unknown = set(given) - set(LEVERS)
+    if unknown:
+        raise ValueError(f"unknown levers {sorted(unknown)}; the levers are {LEVERS}")
+    if given.get("checkpoint_layers", 0) > n_layers:
+        raise ValueError(f"checkpoint_layers {given['checkpoint_layers']}: the model has {n_layers} decoder layers")
+    return tuple(sorted(given.items()))
+
+
+def _copy(plan):
+    """A plan the caller may change: the ranked list is cached and shared between calls."""
+    return dataclasses.replace(plan, estimated_parts=dict(plan.estimated_parts))
+
+
+def fitting_plans(budget_bytes, model_bytes, batch, seq_len, given=None, host_budget_bytes=0):
+    """Every candidate whose estimated peak fits budget_bytes, cheapest first: what run_with_fallback walks."""
+    candidates = ranked_candidates(model_bytes, batch, seq_len, _validated_given(given, model_bytes.n_layers),
+                                   host_budget_bytes)
+    return [_copy(plan) for plan in candidates if plan.estimated_peak_bytes <= budget_bytes]
+
+
+def choose_plan(budget_bytes, model_bytes, batch, seq_len, given=None, host_budget_bytes=0):
+    """(plan, None): the cheapest candidate (plan_cost) whose estimated peak fits budget_bytes of GPU memory and
+    whose offloads fit host_budget_bytes of pinned host memory; or (None, leanest) when none fits, leanest being the
+    candidate with the smallest estimated peak, whose parts say what the step needs.
+
+    given: levers fixed by the user ({"activation_checkpointing": "full", ...}, names as in MemoryPlan): only
+    candidates with those values compete, the plan fills in the rest. Pure: the same arguments give the same plan,
+    and a larger budget never a costlier one (one cost-ordered candidate list, independent of the budget; the first
+    that fits wins)."""
+    candidates = ranked_candidates(model_bytes, batch, seq_len, _validated_given(given, model_bytes.n_layers),
+                                   host_budget_bytes)
+    budget = f"{budget_bytes / 2**30:.1f} GiB"
+    plan = next((_copy(plan) for plan in candidates if plan.estimated_peak_bytes <= budget_bytes), None)
+    if plan is None:
+        leanest = _copy(min(candidates, key=lambda plan: plan.estimated_peak_bytes))
+        leanest.reason = (f"nothing fits: the leanest plan ({leanest.describe()}) needs "
+                          f"{leanest.estimated_peak_bytes / 2**30:.1f} GiB ({format_parts(leanest.estimated_parts)}), "
+                          f"the budget is {budget}")
+        return None, leanest
+    plan.reason = (f"{plan.describe()}: the cheapest plan that fits {budget} (estimated peak "
+                   f"{plan.estimated_peak_bytes / 2**30:.1f} GiB, +{plan.cost:.1%} step time)")
+    return plan, None
+
+
+def format_parts(parts):
+    """'weights 15.0 + gradients 1.0 + ... GiB': the estimate's parts, for a log line."""
+    return " + ".join(f"{name.replace('_', ' ')} {value / 2**30:.1f}" for name, value in parts.items()) + " GiB"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The levers: what the step keeps, recomputes, tiles or moves to the host
 
 # The attention kernels SDPA dispatches to, and what they are called in reports. Selective checkpointing keeps their
 # outputs (the attention output and its log-sum-exp), so a layer's recompute skips attention, the only part of the step
@@ -589,19 +1590,6 @@ ATTENTION_KERNELS = {
 def keep_attention_outputs(ctx, op, *args, **kwargs):
     """Selective checkpointing policy: keep what attention kernels return, recompute everything else."""
     return CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class AttentionKernelRecorder(TorchDispatchMode):
-    """Records which SDPA kernels run while active (the `attention_kernels` entry of the results)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in ATTENTION_KERNELS:
-            self.seen.add(ATTENTION_KERNELS[func])
-        return func(*args, **(kwargs or {}))
 
 
 class ActivationOffloader:
@@ -764,8 +1752,214 @@ def optimizer_in_backward(model, make_optimizer):
     return optimizers
 
 
+#
+
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Reporting: peak memory against sequence length, from the JSON files of earlier runs (the same in both scripts)
+# AdamW whose moments live on the host
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW whose state tensors (exp_avg, exp_avg_sq) wait in pinned host memory between steps.
+
+    Each parameter has its own torch.optim.AdamW (torch's math, fused or foreach as asked, none of ours). When a
+    parameter's gradient is ready -- in the backward, from a post-accumulate-grad hook (in_backward=True), or in
+    step() -- its moments are copied to the GPU on a side stream, its AdamW steps on the compute stream, the moments
+    go back to the host on the side stream and the gradient is freed. While one parameter steps, the next one's
+    moments are already on their way: the backward visits the parameters in the same order every step, so the order
+    of the last backward says which is next. On the GPU at any time: the moments of two parameters, not the model's.
+
+    It is a torch.optim.Optimizer over the same param groups as torch.optim.AdamW would be, with the state in
+    self.state, so state_dict() has plain AdamW's layout (a checkpoint of either loads into the other) and an LR
+    scheduler sets the lr of its param_groups, which each parameter's AdamW reads before it steps. With in_backward,
+    step() has nothing left to do but is safe to call (schedulers expect it). Without CUDA the same code runs with
+    plain host tensors and no streams."""
+
+    def __init__(self, params, *, in_backward=True, **adamw_kwargs):
+        # A plain AdamW over the same params checks the arguments and fills in its defaults: the groups are AdamW's.
+        template = torch.optim.AdamW(params, **adamw_kwargs)
+        super().__init__(template.param_groups, template.defaults)
+        self._adamw = {param: torch.optim.AdamW([param], **adamw_kwargs)  # each parameter's own AdamW
+                       for group in self.param_groups for param in group["params"]}
+        # By index: load_state_dict replaces the group dicts, not their order.
+        self._group_index = {param: index for index, group in enumerate(self.param_groups) for param in group["params"]}
+        on_gpu = any(param.is_cuda for param in self._adamw)
+        self._copy_stream = torch.cuda.Stream() if on_gpu else None
+        self._on_device = {}  # parameter -> (its moments on its device, the event that says they have arrived)
+        self._next_in_backward, self._this_backward = {}, {}
+        self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for param in self._adamw if in_backward and param.requires_grad]
+
+    def remove_hooks(self):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def host_bytes(self):
+        """Bytes of the moments held on the host."""
+        return sum(value.nbytes for state in self.state.values() for key, value in state.items() if key != "step")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Steps every parameter that still has a gradient (all of them without in_backward, none with it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ready = [param for param in self._adamw if param.grad is not None]
+        for param, next_param in zip(ready, ready[1:] + [None]):
+            self._step_one(param, next_param)
+        return loss
+
+    def _on_grad_ready(self, param):
+        if param in self._this_backward:  # a backward that raised (out of memory) never ran its end callback
+            self._end_of_backward()
+        if not self._this_backward:  # the first parameter of this backward: learn the order when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._this_backward[param] = None  # a dict: ordered, and membership by identity (tensor == is elementwise)
+        with torch.no_grad():
+            self._step_one(param, self._next_in_backward.get(param))
+
+    def _end_of_backward(self):
+        order, self._this_backward = list(self._this_backward), {}
+        self._next_in_backward = dict(zip(order, order[1:]))
+        self._on_device.clear()  # a prefetch the backward did not use (its order changed) must not hold the GPU
+
+    def _fetch(self, param):
+        """Starts copying param's moments to its device (once); returns them and the event of their arrival."""
+        if param not in self._on_device:
+            moments = {key: value for key, value in self.state[param].items() if key != "step"}
+            if self._copy_stream is None:  # no GPU: the same swap, as plain copies
+                self._on_device[param] = ({key: value.clone() for key, value in moments.items()}, None)
+            else:
+                with torch.cuda.stream(self._copy_stream):
+                    on_device = {key: value.to(param.device, non_blocking=True) for key, value in moments.items()}
+                    arrived = torch.cuda.Event()
+                    arrived.record()
+                self._on_device[param] = (on_device, arrived)
+        return self._on_device[param]
+
+    def _step_one(self, param, next_param):
+        moments, arrived = self._fetch(param)
+        if next_param is not None and next_param in self.state:  # no state yet (first step): nothing to prefetch
+            self._fetch(next_param)
+        del self._on_device[param]
+        if arrived is not None:
+            compute_stream = torch.cuda.current_stream()
+            compute_stream.wait_event(arrived)  # this parameter's copy only, not the prefetch queued behind it
+            for value in moments.values():
+                value.record_stream(compute_stream)  # allocated on the copy stream, used here
+        # torch's AdamW steps on the state as it would hold it: the host dict with the device moments swapped in.
+        # On the first step the dict is empty and AdamW creates the state itself (on the device), as it would.
+        state = self.state[param]
+        adamw = self._adamw[param]
+        group = self.param_groups[self._group_index[param]]  # where a scheduler sets the lr
+        adamw.param_groups[0].update({key: value for key, value in group.items()
+                                      if key not in ("params", "param_names")})
+        adamw.state[param] = {key: moments.get(key, value) for key, value in state.items()}
+        adamw.step()
+        on_device = adamw.state.pop(param)
+        if not state:  # the first step: pinned host tensors for the state AdamW has just created
+            state.update({key: value if key == "step" else
+                          torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                          for key, value in on_device.items()})
+        self._copy_back(state, on_device)
+        param.grad = None
+
+    def _copy_back(self, state, on_device):
+        if self._copy_stream is None:
+            for key, value in on_device.items():
+                if key != "step":
+                    state[key].copy_(value)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream())  # the update must be complete before it is read
+        with torch.cuda.stream(self._copy_stream):
+            for key, value in on_device.items():
+                if key != "step":
+                    state[key].copy_(value, non_blocking=True)
+                    value.record_stream(self._copy_stream)  # its memory is reused only after the copy has read it
+
+    def _wait_for_copies(self):
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    def state_dict(self):
+        self._wait_for_copies()  # the host tensors are complete only once the copies back have run
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Loads a state_dict of this class or of torch.optim.AdamW over the same params. torch's loader would put
+        every moment on its parameter's device (the whole optimizer state on the GPU at once): it loads the steps and
+        groups only, and the moments are copied into pinned host tensors here."""
+        self._wait_for_copies()
+        self._on_device.clear()
+        saved_state = state_dict["state"]
+        steps_only = {**state_dict, "state": {key: {name: value for name, value in state.items() if name == "step"}
+                                              for key, state in saved_state.items()}}
+        super().load_state_dict(steps_only)
+        ids = itertools.chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(group["params"] for group in self.param_groups)
+        for saved_id, param in zip(ids, params):
+            for name, value in saved_state.get(saved_id, {}).items():
+                if name != "step":
+                    host = torch.empty(param.shape, dtype=param.dtype, pin_memory=param.is_cuda)
+                    self.state[param][name] = host.copy_(value)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CUDA graph: the whole step replayed as one launch
+
+def causal_sdpa_without_mask(model):
+    """--cuda-graph and --compile with SDPA: keep the causal mask a flag, not a tensor, in a captured or compiled step.
+
+    While capturing or tracing, transformers builds the causal mask as a [T, T] tensor (a skipped mask would be baked
+    into the graph), and SDPA with a mask tensor takes a masked kernel: 3x slower than the causal one at 1x8192, plus
+    the mask's memory. The batches are packed windows with no padding, so their mask is always the plain causal one.
+    An attention implementation registered without a mask function gets attention_mask=None from transformers, and
+    its SDPA function then passes is_causal=True, exactly as the eager step does."""
+    AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
+    model.set_attn_implementation("sdpa_causal")
+
+
+def capture_step(train_step):
+    """--cuda-graph: train_step as a CUDA graph. The first call trains eagerly on a side stream (kernels compile,
+    the optimizer creates its state), as PyTorch's CUDA-graph notes ask, then records one call of train_step into a
+    graph (recording runs nothing); every later call copies its batch into the graph's input buffer and replays.
+
+    Why it pays: an 8B step launches thousands of kernels, and at 1x512 most finish faster than Python and the driver
+    can launch the next one, so the GPU waits on the host. A replay is one launch for the whole step. What it needs,
+    and the script provides: one shape every step, no host sync inside the step, AdamW with capturable=True (its step
+    count lives on the GPU) and a fixed learning rate. A step that cannot be captured (a host sync, a copy from the
+    host) ends the run with one error line."""
+    graph, static = torch.cuda.CUDAGraph(), {}
+
+    def graphed_step(micro_batches):
+        if not static:
+            side_stream = torch.cuda.Stream()
+            side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):
+                outputs = train_step(micro_batches)
+            torch.cuda.current_stream().wait_stream(side_stream)
+            static["batch"] = micro_batches.clone()
+            try:
+                with torch.cuda.graph(graph):
+                    static["outputs"] = train_step(static["batch"])
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as err:
+                raise SystemExit(f"error: the training step cannot be captured as a CUDA graph "
+                                 f"({str(err).splitlines()[0]}): something in it waits for the GPU or copies from "
+                                 f"the host; run without --cuda-graph") from None
+            return outputs
+        static["batch"].copy_(micro_batches)
+        graph.replay()
+        # the next replay overwrites the outputs in place: hand the caller copies
+        return tuple(None if value is None else value.clone() for value in static["outputs"])
+    return graphed_step
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reporting: peak memory and tokens/s against sequence length, from the JSON files of earlier runs
 
 def flag_summary(options):
     """The long-sequence flags of a run, short enough to label a point."""
@@ -845,413 +2039,7 @@ def plot_memory(paths, out_path):
     print(f"plot: {out_path}")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Longest trainable sequence: one step per length, run after a warm-up step has created the optimizer state
-
-def seq_len_search(lengths, try_length):
-    """try_length(L) runs one training step at batch 1 x L and returns a row whose "status" is "trained", "out of
-    memory" (with the part of the step that ran out and the peak it reached) or "non-finite loss". The first length
-    that does not train ends the search: the longer ones are reported as "not tried" (a later run can try them).
-    Returns (rows, the longest length that trained or None)."""
-    rows, longest = [], None
-    for seq_len in lengths:
-        if rows and rows[-1]["status"] != "trained":
-            rows.append({"seq_len": seq_len, "status": "not tried"})
-            print(f"seq_len {seq_len:>7}: not tried")
-            continue
-        row = {"seq_len": seq_len, **try_length(seq_len)}
-        rows.append(row)
-        peak = "n/a (CPU)" if row.get("peak_gib") is None else f"{row['peak_gib']:.2f} GiB"
-        if row["status"] == "trained":
-            longest = seq_len
-            host = f", {row['host_gib']:.1f} GiB on the host" if row.get("host_gib") else ""
-            print(f"seq_len {seq_len:>7}: trained, {row['step_ms'] / 1e3:.1f} s/step, {row['tokens_per_s']:,.0f} "
-                  f"tok/s, peak {peak}{host}")
-        elif row["status"] == "out of memory":
-            print(f"seq_len {seq_len:>7}: out of memory in the {row['phase']} (peak {peak})")
-        else:
-            print(f"seq_len {seq_len:>7}: {row['status']}")
-    return rows, longest
-
-
-def sync():
-    if HAS_CUDA:
-        torch.cuda.synchronize()
-
-
-def causal_sdpa_without_mask(model):
-    """--cuda-graph and --compile with SDPA: keep the causal mask a flag, not a tensor, in a captured or compiled step.
-
-    During a CUDA-graph capture or a torch.compile trace transformers builds the causal mask as a [T, T] tensor (a
-    skipped mask would be baked into the graph, so it skips it only when not tracing), and SDPA with a mask tensor takes
-    a masked attention kernel: 3x slower than the causal one at 1x8192, plus the mask's memory. The fine-tune's batches
-    are packed windows with no padding, so their mask is always the plain causal one. An attention implementation
-    registered without a mask function gets attention_mask=None from transformers, and transformers' own SDPA function
-    then passes is_causal=True, exactly as the eager step does."""
-    AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
-    model.set_attn_implementation("sdpa_causal")
-
-
-def capture_step(train_step, example_batch):
-    """--cuda-graph: record one call of train_step (forward, backward, optimizer step) as a CUDA graph and return a
-    step function that replays it on new token ids.
-
-    Why it pays: an 8B step launches thousands of kernels, and at 1x512 most finish faster than Python and the CUDA
-    driver can launch the next one, so the GPU waits on the host. A replay is one launch for the whole step.
-    What it needs, and the scripts provide: the same shapes every step (the batch is copied into one fixed input
-    buffer), no host syncs inside the step, an optimizer created with capturable=True (its step count lives on the
-    GPU), and a warm-up step on a side stream before the capture, as PyTorch's CUDA-graph notes ask (Triton compiles
-    its kernels then, not during the capture). Capturing runs nothing: the first replay is the first step it trains.
-    The step's activations come from the graph's own memory pool, allocated during the capture as an eager step
-    allocates them, so the peak-memory counter still sees the step's peak.
-    A step that cannot be captured (a host sync, a copy from the host: e.g. in a peer's kernels) ends the run with
-    one error line; running out of memory goes to main's message."""
-    static_batch = example_batch.clone()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            static_loss, static_accuracy = train_step(static_batch)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as err:
-        torch_says = str(err).splitlines()[0]
-        raise SystemExit(f"error: the training step cannot be captured as a CUDA graph ({torch_says}): something in "
-                         f"it waits for the GPU or copies from the host; run without --cuda-graph") from None
-
-    def graphed_step(micro_batches):
-        static_batch.copy_(micro_batches)
-        graph.replay()
-        # the next replay overwrites the outputs in place: hand the caller copies
-        return static_loss.clone(), None if static_accuracy is None else static_accuracy.clone()
-    return graphed_step
-
-
-def init_distributed(args):
-    """(rank, world_size, device). --fsdp: join the process group that torchrun or accelerate launch set up, NCCL
-    with one GPU per process (cuda:LOCAL_RANK), gloo on CPU; otherwise one process on the one device."""
-    if not args.fsdp:
-        return 0, 1, "cuda" if HAS_CUDA else "cpu"
-    device = f"cuda:{os.environ['LOCAL_RANK']}" if HAS_CUDA else "cpu"
-    if HAS_CUDA:
-        torch.cuda.set_device(device)  # the current device of synchronize(), max_memory_allocated(), NCCL
-    dist.init_process_group("nccl" if HAS_CUDA else "gloo", device_id=torch.device(device) if HAS_CUDA else None)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-
-def main(argv=None):
-    """The script. A run too large for the GPU ends with one line that says what to change, not with a traceback
-    through transformers; nothing is written (the JSON comes only at the end)."""
-    try:
-        return fine_tune(argv)
-    except torch.OutOfMemoryError as err:
-        torch_says = str(err).split(" Including")[0]  # "CUDA out of memory. Tried to allocate ... is free."
-        raise SystemExit(f"error: out of memory on the GPU ({torch_says}). Shorter sequences or batches (--seq-len, "
-                         f"--batch-size), --activation-checkpointing full, or --seq-len-search to find the longest "
-                         f"that fits") from None
-
-
-def fine_tune(argv=None):
-    args = parse_args(argv)
-    if args.plot:
-        return plot_memory(args.plot, args.out)
-    rank, world_size, device = init_distributed(args)
-    if rank != 0:  # every rank runs this same script: rank 0's copy of the output is enough
-        sys.stdout = open(os.devnull, "w")
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
-    info = run_info()
-    torch.manual_seed(args.seed)  # the same on every rank: identical random weights before FSDP shards them
-    model, weights = load_model(args, device, dtype)
-    model.config.use_cache = False  # training: no KV cache
-    model.train()
-    config = model.config
-    n_layers, vocab = config.num_hidden_layers, config.vocab_size
-
-    # --- what this script changes about the model: the fused kernels (counts checked: a no-op swap is an error) ------
-    # two RMSNorms per decoder layer plus the final norm (65 for 8B), one MLP and one attention per layer
-    replaced = {"rmsnorm": replace_rmsnorm(model, expected=2 * n_layers + 1)}
-    if args.swiglu:
-        replaced["swiglu_mlp"] = replace_llama_mlp(model, expected=n_layers)
-    if args.rope:
-        patch_llama_rope(model, expected=n_layers)  # process-wide: LlamaAttention looks the function up at call time
-        replaced["rope_attention"] = n_layers
-    variant = "+".join(["rmsnorm", args.loss] + (["swiglu"] if args.swiglu else []) + (["rope"] if args.rope else [])
-                       + (["compile"] if args.compile else []))
-    loss_impl = args.loss
-
-    # --- long sequences: what the step keeps, recomputes, tiles or moves to the host (same in both scripts) ----------
-    for flag, value in (("offload-activations", args.offload_activations),
-                        ("checkpoint-layers", args.checkpoint_layers)):
-        if value is not None and value > n_layers:
-            raise SystemExit(f"error: --{flag} {value}: the model has {n_layers} decoder layers")
-    if args.tiled_mlp:
-        tile_mlps(model, args.tiled_mlp)  # after any MLP replacement: it tiles whatever forward the MLP now has
-    offloader = None
-    if args.activation_checkpointing != "none":
-        offloader = enable_activation_checkpointing(model, args.activation_checkpointing, args.offload_activations,
-                                                    args.checkpoint_layers)
-
-    model_with_loss = ModelWithLoss(model, loss_impl, args.lce_chunk_size)
-    if args.compile:
-        # The model and its loss compile as one module, on the warm-up step: the fused linear cross-entropy of
-        # finetune_optimized.py reads lm_head's weight outside lm_head's forward, so compiling the model alone would
-        # leave the loss and lm_head out of the graph.
-        model_with_loss = torch.compile(model_with_loss, backend=COMPILE_BACKEND, mode=args.compile_mode)
-    if args.fsdp:
-        # FSDP2: every parameter is split across the ranks. Each decoder layer is one unit that all-gathers its
-        # parameters just before its forward (and again for its backward), frees them after, and reduce-scatters
-        # (averages) its gradients; the root unit holds the rest. Parameters stay in the model's dtype.
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model_with_loss)
-    use_cuda_graph = args.cuda_graph and HAS_CUDA
-    if args.cuda_graph and not HAS_CUDA:
-        print("no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly")
-    if (use_cuda_graph or args.compile) and args.attn_implementation == "sdpa":
-        causal_sdpa_without_mask(model)
-    # After fully_shard: the optimizer must hold the sharded parameters (each rank updates its own shard).
-    def make_optimizer(params):
-        return torch.optim.AdamW(params, lr=args.lr, foreach=args.optimizer == "adamw_foreach",
-                                 fused=args.optimizer == "adamw_fused", capturable=use_cuda_graph)
-    if args.optimizer_in_backward:
-        optimizer_in_backward(model, make_optimizer)
-        optimizer = None  # nothing left to step after the backward
-    else:
-        optimizer = make_optimizer(model.parameters())
-    phase = {"now": "idle"}  # the part of the step that is running: names what ran out of memory
-
-    def train_step(micro_batches):
-        """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss and
-        the token accuracy (None where the loss does not give it), both device tensors: no host sync."""
-        if offloader is not None:
-            offloader.new_step()
-        step_loss, step_accuracy = 0.0, 0.0
-        for input_ids in micro_batches:
-            phase["now"] = "forward"
-            loss, accuracy = model_with_loss(input_ids, shift_labels_of(input_ids))
-            loss = loss / len(micro_batches)
-            phase["now"] = "backward" if optimizer is not None else "backward (with the optimizer steps inside)"
-            loss.backward()
-            step_loss = step_loss + loss.detach()
-            step_accuracy = None if accuracy is None else step_accuracy + accuracy / len(micro_batches)
-        phase["now"] = "optimizer step"
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        phase["now"] = "idle"
-        if args.fsdp:  # log the global batch's figures: the mean over ranks (every rank has the same token count)
-            for value in (step_loss, step_accuracy):
-                if value is not None:  # sum of value / world_size (gloo has no AVG); a collective, not a host sync
-                    dist.all_reduce(value.div_(world_size))
-        return step_loss, step_accuracy
-
-    # torch.compile compiles on the first call; in reduce-overhead mode it records its CUDA graphs on the second,
-    # which takes about as long as 17 replayed steps (1x512, H200) and belongs to the warm-up, not to the timed steps.
-    compile_records_graphs = args.compile and args.compile_mode == "reduce-overhead"
-    warmup_steps = 2 if compile_records_graphs else 1
-
-    def warm_up(micro_batches):
-        """The untimed first step(s): kernels compile, cuBLAS picks algorithms, the optimizer creates its state. The
-        first attention layer's forward records which SDPA kernel runs, but not under --compile: the recorder,
-        entered inside the compiled model, would break its graph and send the decoder layers back to eager."""
-        recorder = AttentionKernelRecorder()
-
-        def start_recording(*_):  # a hook that returns None leaves the layer's inputs and outputs as they are
-            recorder.__enter__()
-
-        def stop_recording(*_):
-            recorder.__exit__(None, None, None)
-        attention = model.model.layers[0].self_attn
-        hooks = [] if args.compile else [attention.register_forward_pre_hook(start_recording),
-                                         attention.register_forward_hook(stop_recording)]
-        # --cuda-graph: the warm-up runs on a side stream, as torch.cuda.graph asks, so that nothing it initializes
-        # lazily is tied to the stream the capture then records.
-        side_stream = torch.cuda.Stream() if use_cuda_graph else None
-        try:
-            t0 = time.perf_counter()
-            if side_stream is not None:
-                side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):  # None: the current stream
-                for _ in range(warmup_steps):
-                    loss, _ = train_step(micro_batches)
-            sync()
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return loss, time.perf_counter() - t0, sorted(recorder.seen)
-
-    # --- header ------------------------------------------------------------------------------------------------------
-    script = Path(__file__).name
-    shape = f"{args.batch_size}x{args.seq_len}"
-    print(f"device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "
-          f"transformers {info['transformers']} | commit {info['git_commit']}{'+dirty' if info['git_dirty'] else ''}")
-    print(f"model: {args.model} ({weights} weights), {n_layers} layers, hidden {config.hidden_size}, vocab {vocab}, "
-          f"{str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
-    print(f"{script}: variant {variant}, loss {loss_impl}, optimizer {args.optimizer}, lr {args.lr}, data {args.data}"
-          + (f", replaced {replaced}" if replaced else "")
-          + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
-    if args.compile:
-        print(f"torch.compile: backend {COMPILE_BACKEND}, mode {args.compile_mode}"
-              + ("" if HAS_CUDA else " (no CUDA device: aot_eager traces the graphs, generates no code)"))
-
-    info["allocator_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    result = {**info, "script": script, "model": args.model, "weights": weights,
-              "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
-              "replaced": replaced, "world_size": world_size, "options": vars(args),
-              "compile_backend": COMPILE_BACKEND if args.compile else None}
-    out_path = Path(args.out) if args.out else default_out_path(args, weights, result["dtype"], variant, world_size)
-
-    if args.seq_len_search:
-        # --- longest batch-1 sequence -------------------------------------------------------------------------------
-        warmup_len = args.warmup_seq_len or min(2048, args.seq_len_search[0])
-        print(f"seq-len search (batch 1, synthetic tokens, one step per length after a warm-up step of {warmup_len} "
-              f"tokens): {args.seq_len_search}")
-        generator = torch.Generator().manual_seed(args.seed)
-
-        def random_tokens(seq_len):
-            return torch.randint(0, vocab, (1, 1, seq_len), generator=generator).to(device)
-
-        _, _, attention_kernels = warm_up(random_tokens(warmup_len))
-
-        def try_length(seq_len):
-            input_ids = random_tokens(seq_len)
-            sync()
-            if HAS_CUDA:
-                torch.cuda.empty_cache()  # hand back the previous length's cached blocks
-                torch.cuda.reset_peak_memory_stats()
-            out_of_memory = False
-            t0 = time.perf_counter()
-            try:
-                loss = train_step(input_ids)[0].item()  # .item(): the step has finished
-            except torch.OutOfMemoryError:
-                out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
-            step_s = time.perf_counter() - t0
-            peak_gib = torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None  # null: no GPU, no peak
-            if out_of_memory:
-                failed_in, phase["now"] = phase["now"], "idle"
-                if optimizer is not None:
-                    optimizer.zero_grad(set_to_none=True)
-                gc.collect()
-                if HAS_CUDA:
-                    torch.cuda.empty_cache()
-                return {"status": "out of memory", "phase": failed_in, "peak_gib": peak_gib}
-            if not math.isfinite(loss):
-                return {"status": "non-finite loss", "loss": loss, "peak_gib": peak_gib}
-            row = {"status": "trained", "loss": loss, "step_ms": 1e3 * step_s, "tokens_per_s": seq_len / step_s,
-                   "peak_gib": peak_gib}
-            if offloader is not None:
-                offload = offloader.report()
-                row.update(host_gib=offload.pop("host_bytes") / 2**30, offload=offload)
-            return row
-
-        rows, longest = seq_len_search(args.seq_len_search, try_length)
-        print(f"longest batch-1 sequence that trained: {longest}")
-        result["seq_len_search"] = {"lengths": args.seq_len_search, "warmup_seq_len": warmup_len,
-                                    "results": rows, "longest_trained": longest}
-        result["attention_kernels"] = attention_kernels
-    else:
-        # --- training ------------------------------------------------------------------------------------------------
-        # steps + 1: the warm-up batch. Each rank gets its own rows of the global batches.
-        n_micro = args.grad_accum_steps
-        batches = make_batches(args, (args.steps + 1) * n_micro, vocab, config.eos_token_id, device, rank, world_size)
-        batches = batches.view(args.steps + 1, n_micro, *batches.shape[1:])  # [step, micro-batch, batch, seq_len]
-        tokens_per_step = world_size * n_micro * args.batch_size * args.seq_len  # global: all the ranks together
-
-        warmup_loss, warmup_s, attention_kernels = warm_up(batches[0][..., :args.warmup_seq_len or args.seq_len])
-        # The peak is the timed steps' own, except under reduce-overhead: its replays allocate nothing, their memory
-        # was allocated while the warm-up recorded them, so the peak there includes the warm-up.
-        if HAS_CUDA and not compile_records_graphs:
-            torch.cuda.empty_cache()  # the warm-up's cached activations: a --cuda-graph capture allocates its own
-            torch.cuda.reset_peak_memory_stats()
-        step_function = capture_step(train_step, batches[0]) if use_cuda_graph else train_step
-
-        losses, accuracies, step_times = [], [], []  # device tensors, read once at the end
-        progress = tqdm(range(1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
-        for step in progress:
-            # Synchronize around the host timer so the step's GPU work is inside the interval (launches are async).
-            sync()
-            t0 = time.perf_counter()
-            loss, accuracy = step_function(batches[step])
-            sync()
-            step_times.append(time.perf_counter() - t0)
-            losses.append(loss)
-            accuracies.append(accuracy)
-            if step % args.log_interval == 0 or step == args.steps:
-                # The step already synchronized for timing, so reading the loss here costs no extra stall.
-                progress.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
-                                     **({"acc": f"{accuracy.item():.3f}"} if accuracy is not None else {}))
-        progress.close()
-
-        losses = torch.stack(losses).tolist()
-        accuracies = None if accuracies[0] is None else torch.stack(accuracies).tolist()
-        avg_step_s = sum(step_times) / len(step_times)
-        tokens_per_s = tokens_per_step * len(step_times) / sum(step_times)
-        peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
-        peak_gib = peak_bytes / 2**30 if HAS_CUDA else None
-        peak_bytes_per_rank = [peak_bytes]
-        if args.fsdp:  # each rank holds its own shards, activations and optimizer state: report every rank's peak
-            peak_bytes_per_rank = [None] * world_size
-            dist.all_gather_object(peak_bytes_per_rank, peak_bytes)
-        peak_gib_per_rank = [b / 2**30 if b is not None else None for b in peak_bytes_per_rank]
-        offload = offloader.report() if offloader is not None else None
-        recompute = None
-        if args.measure_recompute:  # the same step without checkpointing, if it fits
-            model.gradient_checkpointing_disable()
-            sync()
-            t0 = time.perf_counter()
-            try:
-                train_step(batches[-1])
-                sync()
-                recompute = {"step_ms_without_checkpointing": 1e3 * (time.perf_counter() - t0)}
-                recompute["overhead"] = avg_step_s * 1e3 / recompute["step_ms_without_checkpointing"] - 1
-            except torch.OutOfMemoryError:
-                recompute = {"step_ms_without_checkpointing": None, "overhead": None,
-                             "note": f"out of memory without checkpointing (in the {phase['now']})"}
-
-        # --- summary -----------------------------------------------------------------------------------------------
-        print(f"---- summary: {script} [{variant}] {args.model} ({weights} weights) {shape} {args.optimizer} ----")
-        print(f"steps timed     : {args.steps} (after {warmup_steps} warm-up step{'s' * (warmup_steps > 1)} of "
-              f"{warmup_s:.2f} s)")
-        print(f"avg step time   : {1e3 * avg_step_s:.1f} ms")
-        print(f"tokens/s        : {tokens_per_s:,.0f}"
-              + (f" over {world_size} ranks, {tokens_per_s / world_size:,.0f} per GPU" if args.fsdp else ""))
-        print(f"peak GPU memory : " + (f"{peak_gib:.2f} GiB ({peak_bytes / 1e9:.1f} GB)" if HAS_CUDA else "n/a (CPU)")
-              + (f"; per rank {', '.join(f'{g:.2f}' for g in peak_gib_per_rank)} GiB" if args.fsdp and HAS_CUDA
-                 else ""))
-        print(f"loss            : {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {args.steps})"
-              + (f" | token accuracy {accuracies[0]:.3f} -> {accuracies[-1]:.3f}" if accuracies else ""))
-        not_seen = "not recorded under --compile" if args.compile else "no SDPA kernel seen"
-        print(f"attention       : {', '.join(attention_kernels) or not_seen} | checkpointing "
-              f"{args.activation_checkpointing}" + (f", MLP tiles of {args.tiled_mlp} tokens" if args.tiled_mlp else "")
-              + (", optimizer in backward" if args.optimizer_in_backward else "")
-              + (" | the whole step replayed as one CUDA graph" if use_cuda_graph else "")
-              + f" | allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'default'}")
-        if offload is not None:
-            timing = (f"; one layer's copy {offload['copy_ms']:.1f} ms against {offload['layer_compute_ms']:.1f} ms "
-                      f"of compute per layer" if "copy_ms" in offload else "")
-            print(f"offload         : {offload['host_bytes'] / 2**30:.2f} GiB on the host ({offload['layers']} layer "
-                  f"inputs){timing}")
-        if recompute is not None:
-            print(f"recompute       : " + (f"{recompute['overhead']:+.1%} step time against "
-                                           f"{recompute['step_ms_without_checkpointing']:.0f} ms without checkpointing"
-                                           if recompute["overhead"] is not None else recompute["note"]))
-        result.update({"shape": shape, "tokens_per_step": tokens_per_step, "steps": args.steps,
-                       "warmup_steps": warmup_steps, "warmup_loss": warmup_loss.item(), "warmup_s": warmup_s,
-                       "avg_step_ms": 1e3 * avg_step_s, "tokens_per_s": tokens_per_s,
-                       "tokens_per_s_per_gpu": tokens_per_s / world_size,
-                       "peak_memory_gib": peak_gib, "peak_memory_bytes": peak_bytes,
-                       "peak_memory_gib_per_rank": peak_gib_per_rank,
-                       "losses": losses, "token_accuracies": accuracies, "step_ms": [1e3 * s for s in step_times],
-                       "attention_kernels": attention_kernels, "offload": offload, "recompute": recompute,
-                       "cuda_graph": use_cuda_graph})
-
-    if rank == 0:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results: {out_path}")
-    if args.fsdp:
-        dist.destroy_process_group()
+#
 
 
 if __name__ == "__main__":
