@@ -229,7 +229,7 @@ def test_plot_of_peak_memory_against_length(tmp_path):
                   {"seq_len": 64, "status": "not tried"}]}}
     (tmp_path / "search.json").write_text(json.dumps(search))
     proc = subprocess.run([sys.executable, str(ROOT / "finetune_optimized.py"), "--plot", str(tmp_path / "search.json"),
-                           str(ROOT / "results" / "finetune_optimized_ckpt_fused_1x131072.json"),
+                           str(ROOT / "results" / "long_sequences_h200" / "finetune_optimized_ckpt_1x131072_h200.json"),
                            "--out", str(tmp_path / "memory.png")], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
