@@ -57,28 +57,28 @@ from pathlib import Path
 # mapping instead. It must be set before torch initializes CUDA, and only when the user has not chosen a setting.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,  # noqa
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from tqdm import tqdm
 
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
-from cross_entropy_kernel import cross_entropy, linear_cross_entropy  # noqa: E402
-from rmsnorm_kernel import replace_rmsnorm  # noqa: E402
-from rope_kernel import patch_llama_rope  # noqa: E402
-from swiglu_kernel import replace_llama_mlp  # noqa: E402
+from cross_entropy_kernel import cross_entropy, linear_cross_entropy
+from rmsnorm_kernel import replace_rmsnorm
+from rope_kernel import patch_llama_rope
+from swiglu_kernel import replace_llama_mlp
 
-import transformers  # noqa: E402
-from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,  # noqa: E402
+import transformers
+from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
                           LlamaForCausalLM, get_scheduler)
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.utils import is_accelerate_available  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.utils import is_accelerate_available
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
@@ -879,6 +879,8 @@ def fine_tune(args, tried=(), write=True):
     plan = plan_memory(args, model, model_with_loss, device, tried)
     offloader = apply_levers(model, plan)
     use_cuda_graph = args.cuda_graph and HAS_CUDA
+    if args.cuda_graph and not HAS_CUDA:
+        print("no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly")
     if (use_cuda_graph or args.compile) and args.attn_implementation == "sdpa":
         causal_sdpa_without_mask(model)
 
@@ -957,6 +959,11 @@ def fine_tune(args, tried=(), write=True):
             result.update(train(args, step_function, model_with_loss, optimizers, schedulers, batches, start_step,
                                 variant, rank, world_size))
             result["offload"] = offloader.report() if offloader is not None else None
+            if result["offload"]:
+                print(f"offload         : {result['offload']['host_bytes'] / 2**30:.2f} GiB of layer inputs on the "
+                      f"host ({result['offload']['layers']} layers)")
+            if use_cuda_graph:
+                print("cuda graph      : the whole step replayed as one CUDA graph")
             if args.output_dir:
                 result["final_model"] = save_final(args, model, tokenizer, rank)
     except torch.OutOfMemoryError as err:
@@ -1071,6 +1078,9 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
     probe forward at a short length on the GPU; without a GPU they are counted from the config (there is no GPU
     memory to plan for, unless --memory-budget-gib names some)."""
     n_layers, tokens = model.config.num_hidden_layers, args.batch_size * args.seq_len
+    for flag, value in (("offload-activations", args.offload_activations), ("checkpoint-layers", args.checkpoint_layers)):
+        if value is not None and value > n_layers:
+            raise SystemExit(f"error: --{flag} {value}: the model has {n_layers} decoder layers")
     given = given_levers(args, n_layers)
     model_bytes = measure_model_bytes(args, model, model_with_loss, device)
     if args.memory_plan == "manual" or args.cuda_graph:
@@ -1083,9 +1093,10 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
         budget, where = int(args.memory_budget_gib * 2**30), "--memory-budget-gib"
     elif HAS_CUDA:
         free, _ = torch.cuda.mem_get_info(device)
-        # what this process holds now (the weights) is part of the estimate; keep 3 % + 1 GiB for the CUDA context's
-        # growth, cuBLAS workspaces and the allocator's rounding
-        budget, where = int(0.97 * (free + torch.cuda.memory_allocated(device))) - 2**30, "this GPU"
+        # What the caching allocator holds (the weights, and the probe's freed blocks it keeps cached) is this
+        # process's to use, on top of what the driver reports free; keep 3 % + 1 GiB for the CUDA context's growth,
+        # cuBLAS workspaces and the allocator's rounding.
+        budget, where = int(0.97 * (free + torch.cuda.memory_reserved(device))) - 2**30, "this GPU"
     else:
         plan = MemoryPlan(reason="no lever: without a GPU there is no GPU memory to plan for (--memory-budget-gib "
                                  "plans for one)")
@@ -1110,26 +1121,31 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
 
 
 def measure_model_bytes(args, model, model_with_loss, device):
-    """ModelBytes for the estimate: counts from the config, and the bytes a decoder layer keeps per token from one
-    probe forward (grad mode on, no lever, at most 1024 tokens) on the GPU. Without a GPU those are counted from the
-    config: a LLaMA layer keeps about 8 hidden-sized and 3 intermediate-sized tensors per token (its norms' inputs,
-    q, k, v, attention's output, o_proj's input, the MLP's gate, up and their product)."""
-    config, probe_tokens = model.config, min(args.seq_len, 1024)
+    """ModelBytes for the estimate: counts from the config, and what a decoder layer keeps per token from two probe
+    forwards (grad mode on, no lever) at 1024 and 2048 tokens on the GPU: the difference of their peaks over the
+    difference of their tokens is the per-token part alone, free of what the forward holds whatever the length
+    (the fused linear cross-entropy's lm_head gradient, its chunk of logits). Without a GPU the per-token part is
+    counted from the config: a LLaMA layer keeps about 8 hidden-sized and 3 intermediate-sized tensors per token (its
+    norms' inputs, q, k, v, attention's output, o_proj's input, the MLP's gate, up and their product)."""
+    config = model.config
     itemsize = next(model.parameters()).element_size()
     if HAS_CUDA and args.memory_plan == "auto" and not args.cuda_graph:
-        probe = torch.randint(0, config.vocab_size, (1, probe_tokens), device=device)
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss, _ = model_with_loss(probe, shift_labels_of(probe))
-        forward_peak = torch.cuda.max_memory_allocated(device)
-        del loss  # frees the probe's graph and activations
-    else:
-        before = 0
-        per_token = config.num_hidden_layers * (8 * config.hidden_size + 3 * config.intermediate_size) * itemsize
-        forward_peak = probe_tokens * (per_token + 2 * config.hidden_size * itemsize + 4)
-    return probe_model_bytes(config, forward_peak, before, probe_tokens, param_itemsize=itemsize,
-                             optimizer_state_itemsize=itemsize)
+        peaks = {}
+        for tokens in (1024, 2048):
+            probe = torch.randint(0, config.vocab_size, (1, tokens), device=device)
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            loss, _ = model_with_loss(probe, shift_labels_of(probe))
+            peaks[tokens] = torch.cuda.max_memory_allocated(device) - before
+            del loss  # frees the probe's graph and activations
+        per_token = (peaks[2048] - peaks[1024]) / 1024
+        fixed = max(0, int(peaks[2048] - 2048 * per_token))
+        return probe_model_bytes(config, before + peaks[2048], before, 2048, param_itemsize=itemsize,
+                                 optimizer_state_itemsize=itemsize, loss_fixed_bytes=fixed)
+    per_token = config.num_hidden_layers * (8 * config.hidden_size + 3 * config.intermediate_size) * itemsize
+    return probe_model_bytes(config, per_token + 2 * config.hidden_size * itemsize + 4, 0, 1,
+                             param_itemsize=itemsize, optimizer_state_itemsize=itemsize)
 
 
 def plan_record(plan):

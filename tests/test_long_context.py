@@ -1,4 +1,5 @@
-"""Long-sequence options of both fine-tune scripts, on the tiny LLaMA in fp32 (CPU, Triton interpreter).
+"""The memory levers of finetune_optimized.py, on the tiny LLaMA in fp32 (CPU, Triton interpreter), with the fused
+kernels and on the stock model (kernels off).
 
 - Activation checkpointing (full, selective), tiled MLP and activation offload change what the step keeps, not what it
   computes: the loss and every parameter's gradient equal a plain step's. Full and selective checkpointing recompute
@@ -25,10 +26,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
-import finetune_baseline  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-SCRIPTS = {"optimized": finetune_optimized, "baseline": finetune_baseline}
+
+class StockModel:
+    """finetune_optimized's levers on the stock model: tiny_model swaps no kernel, the loss is transformers' own."""
+
+    def __getattr__(self, name):
+        return getattr(finetune_optimized, name)
+
+
+SCRIPTS = {"optimized": finetune_optimized, "stock": StockModel()}
 # The kernels run on the GPU when there is one (CPU interpreter otherwise), so the models and inputs go there too.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Full and selective checkpointing recompute the same ops in the same order: bit for bit on the CPU. On a GPU some
@@ -88,7 +96,7 @@ CONFIGS = [  # (checkpointing, layers offloaded, MLP tile tokens[, layers checkp
 ]
 
 
-@pytest.mark.parametrize("script_name", ["optimized", "baseline"])
+@pytest.mark.parametrize("script_name", ["optimized", "stock"])
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_same_loss_and_gradients_as_a_plain_step(script_name, config, rope_patch):
     mode, offload, tile, checkpoint_layers = (*config, None)[:4]
@@ -118,25 +126,27 @@ def test_same_loss_and_gradients_as_a_plain_step(script_name, config, rope_patch
 
 @pytest.mark.parametrize("mode,expected_calls", [("full", 4), ("selective", 2)])
 def test_selective_checkpointing_does_not_recompute_attention(mode, expected_calls):
-    model = tiny_model(finetune_baseline, dtype=KERNEL_DTYPE)
-    finetune_baseline.enable_activation_checkpointing(model, mode, 0)
+    stock = SCRIPTS["stock"]
+    model = tiny_model(stock, dtype=KERNEL_DTYPE)
+    stock.enable_activation_checkpointing(model, mode, 0)
     input_ids = torch.randint(0, 1000, (1, 24)).to(DEVICE)
     with AttentionCalls() as calls:
-        loss_and_grads(finetune_baseline, model, input_ids)
+        loss_and_grads(stock, model, input_ids)
     assert calls.count == expected_calls  # 2 layers: one forward each, plus one recompute each under "full"
 
 
 def test_tiled_mlp_keeps_one_weight_gradient_per_step():
     """The tiled MLP hands each weight's gradient to autograd once (a hook counting accumulations sees one)."""
-    model = tiny_model(finetune_baseline)
-    finetune_baseline.tile_mlps(model, 8)
+    stock = SCRIPTS["stock"]
+    model = tiny_model(stock)
+    stock.tile_mlps(model, 8)
     arrivals = []
     model.model.layers[0].mlp.gate_proj.weight.register_post_accumulate_grad_hook(lambda p: arrivals.append(1))
-    loss_and_grads(finetune_baseline, model, torch.randint(0, 1000, (1, 40)).to(DEVICE))
+    loss_and_grads(stock, model, torch.randint(0, 1000, (1, 40)).to(DEVICE))
     assert arrivals == [1]
 
 
-@pytest.mark.parametrize("script_name", ["optimized", "baseline"])
+@pytest.mark.parametrize("script_name", ["optimized", "stock"])
 def test_optimizer_in_backward_matches_a_normal_step(script_name, rope_patch):
     script = SCRIPTS[script_name]
     batches = torch.randint(0, 1000, (4, 1, 32), generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -163,13 +173,18 @@ def test_optimizer_in_backward_matches_a_normal_step(script_name, rope_patch):
 
 
 def test_search_reports_the_failing_part_and_not_tried():
-    def try_length(seq_len):
-        if seq_len > 16:
-            return {"status": "out of memory", "phase": "backward", "peak_gib": 1.5}
-        return {"status": "trained", "step_ms": 2.0, "tokens_per_s": 8e3, "peak_gib": 1.0, "loss": 6.9}
+    phase = {"now": "idle"}
 
-    rows, longest = finetune_optimized.seq_len_search([8, 16, 24, 32], try_length)
-    assert longest == 16
+    def train_step(input_ids):
+        if input_ids.shape[-1] > 16:
+            phase["now"] = "backward"
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return torch.tensor(6.9), None, None
+
+    args = finetune_optimized.parse_args(["--seq-len-search", "8,16,24,32"])
+    search = finetune_optimized.seq_len_search(args, train_step, phase, 1000, "cpu")["seq_len_search"]
+    rows = search["results"]
+    assert search["longest_trained"] == 16
     assert [row["status"] for row in rows] == ["trained", "trained", "out of memory", "not tried"]
     assert rows[2]["phase"] == "backward" and rows[3] == {"seq_len": 32, "status": "not tried"}
 
@@ -183,17 +198,20 @@ def run(script, tmp_path, *flags):
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
-@pytest.mark.parametrize("script", ["finetune_optimized.py", "finetune_baseline.py"])
-def test_cli_long_sequence_flags(script, tmp_path):
-    proc, result = run(script, tmp_path, "--steps", "2", "--seq-len", "24", "--activation-checkpointing", "selective",
-                       "--offload-activations", "2", "--tiled-mlp", "8", "--optimizer-in-backward",
-                       "--optimizer", "adamw_fused")
+@pytest.mark.parametrize("plan", ["manual", "auto"])
+def test_cli_long_sequence_flags(plan, tmp_path):
+    """The levers given by hand are used as given, with --memory-plan manual and auto alike (auto fills in only what
+    is not given, and all is given here)."""
+    proc, result = run("finetune_optimized.py", tmp_path, "--steps", "2", "--seq-len", "24",
+                       "--activation-checkpointing", "selective", "--checkpoint-layers", "2", "--offload-activations",
+                       "2", "--tiled-mlp", "8", "--optimizer-in-backward", "--no-offload-optimizer",
+                       "--optimizer", "adamw_fused", "--memory-plan", plan)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert result["options"]["activation_checkpointing"] == "selective" and result["options"]["tiled_mlp"] == 8
+    assert result["memory_plan"]["activation_checkpointing"] == "selective" and result["memory_plan"]["tiled_mlp"] == 8
+    assert result["memory_plan"]["optimizer_in_backward"] and not result["memory_plan"]["offload_optimizer"]
     assert result["offload"]["layers"] == 2 and result["offload"]["host_bytes"] == 2 * 24 * 64 * KERNEL_DTYPE.itemsize
-    assert result["attention_kernels"] and not any("math" in k for k in result["attention_kernels"])
     assert result["allocator_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert "offload" in proc.stdout and "checkpointing selective" in proc.stdout
+    assert "offload" in proc.stdout and "selective checkpointing on 2 layers" in proc.stdout
 
 
 def test_cli_search_and_grad_accumulation(tmp_path):
@@ -204,14 +222,15 @@ def test_cli_search_and_grad_accumulation(tmp_path):
     assert search["longest_trained"] == 32 and [r["status"] for r in search["results"]] == ["trained", "trained"]
     assert search["results"][1]["host_gib"] == pytest.approx(32 * 64 * KERNEL_DTYPE.itemsize / 2**30)
     proc, result = run("finetune_baseline.py", tmp_path, "--steps", "2", "--seq-len", "16", "--grad-accum-steps", "2",
-                       "--activation-checkpointing", "full", "--measure-recompute")
+                       "--activation-checkpointing", "full")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert result["tokens_per_step"] == 32 and result["recompute"]["step_ms_without_checkpointing"] > 0
+    assert result["tokens_per_step"] == 32 and len(result["losses"]) == 2
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--tiled-mlp", "0"], "--tiled-mlp takes a positive number"),
-    (["--offload-activations", "1"], "needs --activation-checkpointing"),
+    (["--offload-activations", "1", "--memory-plan", "manual"], "need --activation-checkpointing"),
+    (["--offload-activations", "1", "--activation-checkpointing", "none"], "need --activation-checkpointing"),
     (["--optimizer-in-backward", "--grad-accum-steps", "2"], "cannot be accumulated"),
     (["--activation-checkpointing", "full", "--offload-activations", "3"], "the model has 2 decoder layers"),
 ])
@@ -235,13 +254,13 @@ def test_plot_of_peak_memory_against_length(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "bad.json").write_text("{}")
-    proc = subprocess.run([sys.executable, str(ROOT / "finetune_baseline.py"), "--plot", str(tmp_path / "bad.json"),
+    proc = subprocess.run([sys.executable, str(ROOT / "finetune_optimized.py"), "--plot", str(tmp_path / "bad.json"),
                            "--out", str(tmp_path / "bad.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "not a fine-tune results file" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("module", list(SCRIPTS.values()), ids=list(SCRIPTS))
-def test_plot_leaves_out_runs_without_a_gpu_and_refuses_other_files(module, tmp_path, capsys):
+def test_plot_leaves_out_runs_without_a_gpu_and_refuses_other_files(tmp_path, capsys):
+    module = finetune_optimized
     """A run without a GPU writes peak memory null: --plot leaves it out and says so, and with nothing else to plot
     it ends with one line. A profile's .summary.json (it has a peak_memory_gib too) is not a fine-tune result."""
     cpu_run = {"script": "finetune_baseline.py", "variant": "baseline", "options": {"seq_len": 32},
