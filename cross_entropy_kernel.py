@@ -12,17 +12,19 @@ smoothing eps, 0 by default):
 scale is 1 / (number of non-ignored rows) for reduction="mean", 1 otherwise; a row whose target is `ignore_index`
 has loss 0 and gradient exactly 0. The online softmax (Milakov & Gimelshein, 2018) keeps a running max m and a
 running sum d of exp(x - m), rescaling d whenever m grows, so lse = m + log(d) comes out of one streaming pass.
-Optional extras with Liger-Kernel's names, compile-time switches of the same kernels: class weights, z-loss, logit
+Optional extras with Liger-Kernel's names, compile-time switches of the same kernel: class weights, z-loss, logit
 softcapping and the argmax per row (token accuracy, predicted tokens); see "Extras" in section 2.
 
-Bytes it must move
-------------------
+Bytes it must move, and why fusion wins
+---------------------------------------
 At least one read of every logit and one write of every gradient entry: 2 * N * V * itemsize bytes (16384 LLaMA-3
 tokens, V = 128256, bf16: 4.2 GB each way). PyTorch's path writes an fp32 log-softmax of all the logits and reads the
-rows several times (26.9 ms and +24 GB on an H200, see results/NOTES.md). Here the gradient is made in the forward
-pass, so the backward only multiplies it by grad_output (nothing to do when that is 1); each row is read twice (pass
-1: statistics, pass 2: gradient), the second time mostly from L2 or, in Part 2's kernel, from shared memory.
-`linear_cross_entropy` runs the same kernel on chunks of hidden @ W.T, never holding all the logits.
+rows several times, and keeps that fp32 copy for the backward (+24 GB at that size). Here the gradient is made in the
+forward pass, so the backward only multiplies it by grad_output (nothing to do when that is 1); each row is read twice
+(pass 1: statistics, pass 2: gradient), the second time mostly from L2. `linear_cross_entropy` runs the same kernel on
+chunks of hidden @ W.T, never holding all the logits. On an H100/H200 the launcher runs, where it pays, a variant that
+keeps the row in shared memory between the passes: cross_entropy_smem_kernel.py, written in Gluon, the next step
+after this file.
 
 Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 -------------------------------------------------------------------
@@ -34,20 +36,20 @@ Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 - balancing the GPU's pipes: an exp2 by bit manipulation and a polynomial on the FMA pipe (bitcasts with
   .to(..., bitcast=True)) where the multi-function unit is the bottleneck (the softcap)
 - optional features as constexpr switches with None arguments (the extras): code that is off is not compiled
-- Part 2, Gluon (triton.experimental.gluon): explicit register layouts, shared-memory buffers, cp.async copies with
-  commit_group / wait_group, compile-time schedule functions (triton.constexpr_function)
 
 Limits
 ------
 Class-index targets only (no probability targets); fp32 arithmetic and loss, gradient in the logits' dtype;
 targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the stored gradient in
-place, so it runs once. Part 2's kernel runs only where it was verified (compute capability 9.x, Triton 3.6); every
-other GPU, and fp32 logits, take the row kernel.
+place, so it runs once. The shared-memory kernel runs only on compute capability 9.x with a Triton whose Gluon has
+what it uses; every other GPU, and fp32 logits, take the row kernel.
 
 torch.compile traces both losses as custom operators (section 3, as in rmsnorm_kernel.py), extras included;
 inplace_backward=True cannot be compiled (a clear error).
 """
 import contextlib
+import functools
+import importlib
 import math
 import os
 import sys
@@ -74,21 +76,6 @@ def _check_device(who, name, tensor):
     if tensor.device.type != KERNEL_DEVICE:
         raise ValueError(f"{who}: {name} is on {tensor.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
                          f"move it to {KERNEL_DEVICE}")
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """x (fp32) cast to `dtype`, rounding to nearest even as the GPU does. Triton's CPU interpreter truncates
-    fp32 -> bf16 instead (and mangles subnormal results), so there the bf16 bits are made directly: adding 0x7FFF, plus
-    1 when the last kept bit is odd (ties to even), carries into the upper 16 bits exactly when rounding up, and those
-    16 bits are the result; NaN becomes the canonical bf16 NaN. fp16 casts already round there, and on the GPU this is
-    a plain cast."""
-    if INTERPRETER and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        upper = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        return upper.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 __all__ = ["cross_entropy", "CrossEntropyFunction", "TritonCrossEntropyLoss", "cross_entropy_forward",
@@ -118,32 +105,6 @@ def _exp2(x, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
-def _exp2_on_fma(y):
-    """2^y without the multi-function unit, on the FMA pipe: y = j + f with j = round(y), f in [-0.5, 0.5]. Adding
-    1.5 * 2^23 rounds y to j (the float's ulp is then 1) and leaves j in the low mantissa bits; a degree-4 polynomial
-    gives 2^f (relative error 2.8e-6, fitted on [-0.5, 0.5]); j << 23 added to its bits multiplies it by 2^j. About
-    nine instructions for the one MUFU.EX2 they replace. y is clamped at -126 (smaller j would wrap the exponent
-    field: 2^-126 for 0 is harmless), but a NaN goes through."""
-    y = tl.maximum(y, -126.0, propagate_nan=tl.PropagateNan.ALL)
-    rounded = y + 12582912.0
-    f = y - (rounded - 12582912.0)
-    p = 1.0 + f * (0.6931241750717163 + f * (0.24024100601673126 + f * (0.055906426161527634
-                                                                          + f * 0.00958279799669981)))
-    return ((rounded.to(tl.int32, bitcast=True) << 23) + p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _reciprocal(x, FAST_EXP2: tl.constexpr):
-    """1 / x. On the GPU one MUFU.RCP instruction (rcp.approx.ftz, within 1 ulp) instead of the IEEE division's
-    dozen; used by the softcap extra only. The interpreter divides."""
-    if FAST_EXP2:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return 1.0 / x
-
-
-@triton.jit
 def _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2: tl.constexpr):
     """Fold one [N_LANES, LANE_WIDTH] chunk into each lane's running max and running sum of exp(x - max). The max is
     subtracted first, in natural units: x - max is exact for the values close to the max, whereas one multiply-add
@@ -154,97 +115,6 @@ def _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2: tl.constexpr):
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
     chunk_sum = tl.sum(_exp2((x - shift[:, None]) * LOG2E, FAST_EXP2), axis=1)
     return new_max, lane_sum * _exp2((lane_max - shift) * LOG2E, FAST_EXP2) + chunk_sum
-
-
-@triton.jit
-def _capped_softmax_update(t, lane_max, lane_sum, cap_log2e, FAST_EXP2: tl.constexpr):
-    """_online_softmax_update for the softcap's capped logits softcap * t, kept in units of t = tanh(x / softcap):
-    exp(softcap * t - softcap * max) = 2^(t * cap_log2e - max * cap_log2e) with cap_log2e = softcap * log2(e), so one
-    fused multiply-add per logit takes t to the exponent and the capped logit is never formed. t lies in [-1, 1]
-    (masked columns: -inf), so a lane's max starts at -1 and is never -inf: no guard against -inf - (-inf)."""
-    new_max = tl.maximum(lane_max, tl.max(t, axis=1))
-    shift = new_max * cap_log2e
-    chunk_sum = tl.sum(_exp2(t * cap_log2e - shift[:, None], FAST_EXP2), axis=1)
-    return new_max, lane_sum * _exp2(lane_max * cap_log2e - shift, FAST_EXP2) + chunk_sum
-
-
-@triton.jit
-def _merge_lanes(lane_max, lane_sum, FAST_EXP2: tl.constexpr, lane_start=None, past_end=None,
-                 TRACK_ARGMAX: tl.constexpr = False, log2_unit=LOG2E):
-    """Combine the lanes once per row, by the same rule: the row max, and every lane's sum rescaled to it (log2_unit:
-    log2 of e per unit of the maxima, softcap * log2(e) for the softcap's t, see _capped_softmax_update).
-    Returns (row_max, row_sum, argmax_start). Extra, TRACK_ARGMAX: argmax_start is the lowest lane_start (a lane's
-    first column) among the lanes whose max is the row's, i.e. the lane of the row's first maximal logit, or past_end
-    (a column >= V) if there is none (a NaN max); 0 otherwise. It is reduced together with the sum, in one tuple
-    reduction: across warps, each reduction is a round trip through shared memory between barriers."""
-    row_max = tl.max(lane_max, axis=0)
-    rescaled_sum = lane_sum * _exp2((lane_max - row_max) * log2_unit, FAST_EXP2)
-    if TRACK_ARGMAX:
-        row_sum, argmax_start = tl.reduce((rescaled_sum, tl.where(lane_max == row_max, lane_start, past_end)), 0,
-                                          _sum_and_min)
-    else:
-        row_sum = tl.sum(rescaled_sum, axis=0)
-        argmax_start = 0
-    return row_max, row_sum, argmax_start
-
-
-@triton.jit
-def _sum_and_min(sum_a, start_a, sum_b, start_b):
-    """_merge_lanes' combine function: the sums add up, the lane starts keep the lowest."""
-    return sum_a + sum_b, tl.minimum(start_a, start_b)
-
-
-@triton.jit
-def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING: tl.constexpr,
-              weight_target=None, weight_total=None, HAS_WEIGHT: tl.constexpr = False):
-    """(1 - eps) * (lse - x_target) + (eps / V) * sum_j (lse - x_j), with lse = row_max + log(row_sum).
-    Extra, class weights w (PyTorch's rule): w_target * (1 - eps) * (lse - x_target) + (eps / V) * sum_j w_j (lse -
-    x_j); then sum_x_tile holds w_j * x_j and weight_total is sum_j w_j."""
-    lse = row_max + tl.log(row_sum)
-    if HAS_WEIGHT:
-        loss = weight_target * (lse - x_target)
-        if HAS_SMOOTHING:
-            sum_wx = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
-            loss = (1.0 - label_smoothing) * loss + (label_smoothing / V) * (weight_total * lse - sum_wx)
-        return loss
-    elif HAS_SMOOTHING:
-        sum_x = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
-        return lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
-    else:
-        return lse - x_target
-
-
-@triton.jit
-def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
-                      HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, columns=None, weight_ptr=None,
-                      softcap=None, HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False,
-                      FAST_TANH: tl.constexpr = False, EXP2_ON_FMA: tl.constexpr = False):
-    """scale * (softmax(x) - eps / V) without the one-hot term (added once per row by the caller). softmax(x) =
-    2^((x - row_max) * log2(e) - log2(sum)): a subtraction, one fused multiply-add and one exp2. With a positive scale
-    the caller folds log2(scale) into the offset too (scale * 2^y = 2^(y + log2(scale))); else it is a multiply.
-    Extras: class weights make the smoothing term of column j smoothing_term * w_j; a softcap replaces x by the
-    capped logit softcap * t, t = tanh(x / softcap), and multiplies the result by the cap's slope 1 - t^2 (the chain
-    rule). Both come from t: one multiply-add takes t to the exponent, another gives the slope. EXP2_ON_FMA (softcap
-    only): the exp2 runs on the FMA pipe (see _row_gradient)."""
-    if HAS_SOFTCAP:
-        t = _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
-        exponent = t * (softcap * LOG2E) - (row_max * LOG2E + exponent_offset)
-        if EXP2_ON_FMA:
-            grad = _exp2_on_fma(exponent)
-        else:
-            grad = _exp2(exponent, FAST_EXP2)
-    else:
-        grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
-    if not POSITIVE_SCALE:
-        grad = grad * scale
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            grad = grad - smoothing_term * tl.load(weight_ptr + columns)
-        else:
-            grad = grad - smoothing_term
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - t * t)
-    return grad
 
 
 @triton.jit
@@ -447,6 +317,52 @@ def _fold_chunk(x, chunk, lane_max, lane_sum, lane_chunk, log2_unit, FAST_EXP2: 
 
 
 @triton.jit
+def _merge_lanes(lane_max, lane_sum, FAST_EXP2: tl.constexpr, lane_start=None, past_end=None,
+                 TRACK_ARGMAX: tl.constexpr = False, log2_unit=LOG2E):
+    """Combine the lanes once per row, by the same rule: the row max, and every lane's sum rescaled to it (log2_unit:
+    log2 of e per unit of the maxima, softcap * log2(e) for the softcap's t, see _capped_softmax_update).
+    Returns (row_max, row_sum, argmax_start). Extra, TRACK_ARGMAX: argmax_start is the lowest lane_start (a lane's
+    first column) among the lanes whose max is the row's, i.e. the lane of the row's first maximal logit, or past_end
+    (a column >= V) if there is none (a NaN max); 0 otherwise. It is reduced together with the sum, in one tuple
+    reduction: across warps, each reduction is a round trip through shared memory between barriers."""
+    row_max = tl.max(lane_max, axis=0)
+    rescaled_sum = lane_sum * _exp2((lane_max - row_max) * log2_unit, FAST_EXP2)
+    if TRACK_ARGMAX:
+        row_sum, argmax_start = tl.reduce((rescaled_sum, tl.where(lane_max == row_max, lane_start, past_end)), 0,
+                                          _sum_and_min)
+    else:
+        row_sum = tl.sum(rescaled_sum, axis=0)
+        argmax_start = 0
+    return row_max, row_sum, argmax_start
+
+
+@triton.jit
+def _sum_and_min(sum_a, start_a, sum_b, start_b):
+    """_merge_lanes' combine function: the sums add up, the lane starts keep the lowest."""
+    return sum_a + sum_b, tl.minimum(start_a, start_b)
+
+
+@triton.jit
+def _row_loss(row_max, row_sum, x_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING: tl.constexpr,
+              weight_target=None, weight_total=None, HAS_WEIGHT: tl.constexpr = False):
+    """(1 - eps) * (lse - x_target) + (eps / V) * sum_j (lse - x_j), with lse = row_max + log(row_sum).
+    Extra, class weights w (PyTorch's rule): w_target * (1 - eps) * (lse - x_target) + (eps / V) * sum_j w_j (lse -
+    x_j); then sum_x_tile holds w_j * x_j and weight_total is sum_j w_j."""
+    lse = row_max + tl.log(row_sum)
+    if HAS_WEIGHT:
+        loss = weight_target * (lse - x_target)
+        if HAS_SMOOTHING:
+            sum_wx = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
+            loss = (1.0 - label_smoothing) * loss + (label_smoothing / V) * (weight_total * lse - sum_wx)
+        return loss
+    elif HAS_SMOOTHING:
+        sum_x = tl.sum(tl.sum(sum_x_tile, axis=1), axis=0)
+        return lse - (1.0 - label_smoothing) * x_target - (label_smoothing / V) * sum_x
+    else:
+        return lse - x_target
+
+
+@triton.jit
 def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, row_max, row_sum, scale,
                   label_smoothing, V, chunk_offsets, n_full, partial_offsets, partial_mask, BLOCK_V: tl.constexpr,
                   HAS_SMOOTHING: tl.constexpr, POSITIVE_SCALE: tl.constexpr, FAST_EXP2: tl.constexpr,
@@ -482,7 +398,7 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
         if CHUNKS_PER_STEP == 2:
             # Extra, softcap: the multi-function unit runs a tanh and an exp2 per logit and pass and sets the pace;
             # the FMA pipe idles. Chunk b's exp2 goes to the FMA pipe, which balances the two (as FlashAttention-4
-            # does for attention's softmax); all of pass 2's, or pass 1's, is slower (see results/NOTES.md).
+            # does for attention's softmax; the other splits measured are in results/NOTES.md).
             grad_b = _softmax_gradient(x_b, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
                                        HAS_SMOOTHING, FAST_EXP2, offsets_a - BLOCK_V, weight_ptr, softcap, HAS_WEIGHT,
                                        HAS_SOFTCAP, FAST_TANH, EXP2_ON_FMA=HAS_SOFTCAP)
@@ -512,10 +428,93 @@ def _row_gradient(logits_row, grad_row, target, target_ok, x_target, x_partial, 
     tl.store(grad_row + target, _round_to(target_grad, grad_row.dtype.element_ty), mask=target_ok)
 
 
+@triton.jit
+def _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
+                      HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, columns=None, weight_ptr=None,
+                      softcap=None, HAS_WEIGHT: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False,
+                      FAST_TANH: tl.constexpr = False, EXP2_ON_FMA: tl.constexpr = False):
+    """scale * (softmax(x) - eps / V) without the one-hot term (added once per row by the caller). softmax(x) =
+    2^((x - row_max) * log2(e) - log2(sum)): a subtraction, one fused multiply-add and one exp2. With a positive scale
+    the caller folds log2(scale) into the offset too (scale * 2^y = 2^(y + log2(scale))); else it is a multiply.
+    Extras: class weights make the smoothing term of column j smoothing_term * w_j; a softcap replaces x by the
+    capped logit softcap * t, t = tanh(x / softcap), and multiplies the result by the cap's slope 1 - t^2 (the chain
+    rule). Both come from t: one multiply-add takes t to the exponent, another gives the slope. EXP2_ON_FMA (softcap
+    only): the exp2 runs on the FMA pipe (see _row_gradient)."""
+    if HAS_SOFTCAP:
+        t = _tanh(x * (1.0 / softcap), FAST_EXP2, FAST_TANH)
+        exponent = t * (softcap * LOG2E) - (row_max * LOG2E + exponent_offset)
+        if EXP2_ON_FMA:
+            grad = _exp2_on_fma(exponent)
+        else:
+            grad = _exp2(exponent, FAST_EXP2)
+    else:
+        grad = _exp2((x - row_max) * LOG2E - exponent_offset, FAST_EXP2)
+    if not POSITIVE_SCALE:
+        grad = grad * scale
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            grad = grad - smoothing_term * tl.load(weight_ptr + columns)
+        else:
+            grad = grad - smoothing_term
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - t * t)
+    return grad
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """x (fp32) cast to `dtype`, rounding to nearest even as the GPU does. Triton's CPU interpreter truncates
+    fp32 -> bf16 instead (and mangles subnormal results), so there the bf16 bits are made directly: adding 0x7FFF, plus
+    1 when the last kept bit is odd (ties to even), carries into the upper 16 bits exactly when rounding up, and those
+    16 bits are the result; NaN becomes the canonical bf16 NaN. fp16 casts already round there, and on the GPU this is
+    a plain cast."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        upper = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return upper.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# The extras' helpers (softcap, class weights and z-loss in the gradient, argmax), used by both kernels
+# The extras' helpers: softcap, class weights and z-loss in the gradient, argmax
 # ----------------------------------------------------------------------------------------------------------------------
-_NO_CHUNK = tl.constexpr(2**31 - 1)  # a lane's chunk before any, in Part 2: larger than every chunk index
+@triton.jit
+def _exp2_on_fma(y):
+    """2^y without the multi-function unit, on the FMA pipe: y = j + f with j = round(y), f in [-0.5, 0.5]. Adding
+    1.5 * 2^23 rounds y to j (the float's ulp is then 1) and leaves j in the low mantissa bits; a degree-4 polynomial
+    gives 2^f (relative error 2.8e-6, fitted on [-0.5, 0.5]); j << 23 added to its bits multiplies it by 2^j. About
+    nine instructions for the one MUFU.EX2 they replace. y is clamped at -126 (smaller j would wrap the exponent
+    field: 2^-126 for 0 is harmless), but a NaN goes through."""
+    y = tl.maximum(y, -126.0, propagate_nan=tl.PropagateNan.ALL)
+    rounded = y + 12582912.0
+    f = y - (rounded - 12582912.0)
+    p = 1.0 + f * (0.6931241750717163 + f * (0.24024100601673126 + f * (0.055906426161527634
+                                                                          + f * 0.00958279799669981)))
+    return ((rounded.to(tl.int32, bitcast=True) << 23) + p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _reciprocal(x, FAST_EXP2: tl.constexpr):
+    """1 / x. On the GPU one MUFU.RCP instruction (rcp.approx.ftz, within 1 ulp) instead of the IEEE division's
+    dozen; used by the softcap extra only. The interpreter divides."""
+    if FAST_EXP2:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _capped_softmax_update(t, lane_max, lane_sum, cap_log2e, FAST_EXP2: tl.constexpr):
+    """_online_softmax_update for the softcap's capped logits softcap * t, kept in units of t = tanh(x / softcap):
+    exp(softcap * t - softcap * max) = 2^(t * cap_log2e - max * cap_log2e) with cap_log2e = softcap * log2(e), so one
+    fused multiply-add per logit takes t to the exponent and the capped logit is never formed. t lies in [-1, 1]
+    (masked columns: -inf), so a lane's max starts at -1 and is never -inf: no guard against -inf - (-inf)."""
+    new_max = tl.maximum(lane_max, tl.max(t, axis=1))
+    shift = new_max * cap_log2e
+    chunk_sum = tl.sum(_exp2(t * cap_log2e - shift[:, None], FAST_EXP2), axis=1)
+    return new_max, lane_sum * _exp2(lane_max * cap_log2e - shift, FAST_EXP2) + chunk_sum
 
 
 @triton.jit
@@ -579,10 +578,10 @@ def _gradient_scales(scale, label_smoothing, V, weight_target, weight_total, lse
 def _lane_argmax_update(x, chunk, lane_max, lane_chunk, IN_ORDER: tl.constexpr):
     """lane_chunk after chunk `chunk` of tile x, given the lanes' max before it; the compiler computes tl.max(x) once
     for this and for the online-softmax update. IN_ORDER (every chunk seen before has a lower index: the row
-    kernel's chunks, lane_chunk starting at 0, and Part 2's kept and partial chunks, which come after every streamed
-    chunk below them): a lane moves on only to a larger max. Part 2's streamed chunks come after higher kept chunks,
-    so there an equal max moves a lane to a lower chunk as well; its lanes start at _NO_CHUNK, and chunk 0, always
-    streamed, moves every lane still there (an equal max of -inf included)."""
+    kernel's chunks, lane_chunk starting at 0, and the shared-memory kernel's kept and partial chunks, which come after
+    every streamed chunk below them): a lane moves on only to a larger max. The shared-memory kernel's streamed chunks
+    come after higher kept chunks, so there an equal max moves a lane to a lower chunk as well; its lanes start at
+    _NO_CHUNK, and chunk 0, always streamed, moves every lane still there (an equal max of -inf included)."""
     chunk_max = tl.max(x, axis=1)
     if IN_ORDER:
         better = chunk_max > lane_max
@@ -652,8 +651,18 @@ _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resid
 # Below this many rows per multiprocessor the shared-memory kernel's first row per program waits for all its loads and
 # the row kernel is faster (e.g. 768 rows, a linear cross-entropy chunk; measured on an H200, see results/NOTES.md).
 _SMEM_MIN_ROWS_PER_SM = 8
-# Part 2's Gluon kernel is written and verified against Triton 3.6 (Gluon's names change between releases).
-_GLUON_VERIFIED = triton.__version__.startswith("3.6.")
+# The Gluon names cross_entropy_smem_kernel.py uses, by module. Gluon is experimental and renames things between
+# Triton releases, so the dispatch checks for these rather than for a version. Its barrier is Triton 3.6's
+# thread_barrier or Triton 3.7's barrier, whichever is there (see _missing_gluon_names).
+_GLUON_NAMES = {
+    "triton.experimental.gluon": ("jit",),
+    "triton.experimental.gluon.language": (
+        "BlockedLayout", "SliceLayout", "SwizzledSharedLayout", "allocate_shared_memory", "arange", "full", "load",
+        "log", "log2", "minimum", "num_programs", "program_id", "static_range", "store", "where", "zeros",
+        "zeros_like"),
+    "triton.experimental.gluon.language.nvidia.ampere.async_copy": (
+        "async_copy_global_to_shared", "commit_group", "wait_group"),
+}
 
 
 def _launch_shape(V, itemsize, on_gpu, block_v=None):
@@ -674,36 +683,62 @@ def _launch_shape(V, itemsize, on_gpu, block_v=None):
     return block_v or min(16384, triton.next_power_of_2(max(V, 1))), 32, 1, None
 
 
+@functools.cache
+def _missing_gluon_names():
+    """The Gluon names of _GLUON_NAMES (and a barrier) that the installed Triton lacks, as "module.name"; empty when
+    the shared-memory kernel can be compiled. Checked once: the dispatch asks on every launch."""
+    missing = []
+    for module_name, names in _GLUON_NAMES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a Triton without Gluon, or without this part of it
+            module = None
+        missing += [f"{module_name}.{name}" for name in names if not hasattr(module, name)]
+    gluon_language = sys.modules.get("triton.experimental.gluon.language")
+    if not (hasattr(gluon_language, "barrier") or hasattr(gluon_language, "thread_barrier")):
+        missing.append("triton.experimental.gluon.language.barrier")
+    return tuple(missing)
+
+
 def _smem_kernel_allowed(properties):
-    """The dispatch rule: the shared-memory kernel (Part 2) runs only where it was verified, on compute capability
-    9.x (H100, H200) with Triton 3.6. Every other GPU (Ampere, Blackwell, ...) takes the row kernel. `properties`:
-    torch.cuda.get_device_properties of the logits' GPU, or None on the CPU interpreter, which runs the shared-memory
-    kernel too (through the stand-in of the appendix), so that the CPU tests check its schedule."""
-    if not _GLUON_VERIFIED:
-        return False
-    return properties is None or properties.major == 9
+    """The dispatch rule: the shared-memory kernel (cross_entropy_smem_kernel.py) runs only on compute capability 9.x
+    (H100, H200), where it was tuned, and only when the installed Gluon has every name it uses. Every other GPU
+    (Ampere, Blackwell, ...) takes the row kernel. `properties`: torch.cuda.get_device_properties of the logits' GPU,
+    or None on the CPU interpreter, which runs the shared-memory kernel too (through its stand-in for Gluon), so that
+    the CPU tests check its schedule."""
+    if properties is None:
+        return True
+    return properties.major == 9 and not _missing_gluon_names()
 
 
 def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties, kernel=None, block_v=None,
                     n_streamed=None, n_ring=None, softcap=False):
-    """The launcher's choice: None for the row kernel, or the shared-memory kernel's plan (see _smem_plan). That
-    kernel takes 16-bit logits with a gradient to write, on a GPU where it is allowed, with at least
-    _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned (cp.async copies 16 bytes per thread),
-    and no softcap: the softcap's tanh per logit and pass needs more warps in flight than that kernel's one program
-    per multiprocessor has, and the row kernel is faster with it (measured on an H200, see results/NOTES.md).
-    kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises ValueError."""
+    """The launcher's choice: None for the row kernel, or the shared-memory kernel's plan (see
+    cross_entropy_smem_kernel._smem_plan). That kernel takes 16-bit logits with a gradient to write, where
+    _smem_kernel_allowed, with at least _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned
+    (cp.async copies 16 bytes per thread), and no softcap: the softcap's tanh per logit and pass needs more warps in
+    flight than that kernel's one program per multiprocessor has, and the row kernel is faster with it (measured on an
+    H200, see results/NOTES.md). kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises
+    ValueError."""
     if kernel not in (None, "rows", "smem"):
         raise ValueError(f"cross_entropy_forward: kernel must be None, 'rows' or 'smem', got {kernel!r}")
     plan = None
     if kernel != "rows" and compute_grad and rows_aligned and _smem_kernel_allowed(properties):
         enough_rows = properties is None or n_rows >= _SMEM_MIN_ROWS_PER_SM * properties.multi_processor_count
         if kernel == "smem" or (enough_rows and not softcap):
-            plan = _smem_plan(V, itemsize, properties, block_v, n_streamed, n_ring)
+            plan = _smem_kernel_module()._smem_plan(V, itemsize, properties, block_v, n_streamed, n_ring)
     if kernel == "smem" and plan is None:
         raise ValueError(f"cross_entropy_forward: the shared-memory kernel does not apply here (V={V}, "
                          f"{itemsize}-byte logits, gradient: {compute_grad}, rows 16-byte aligned: {rows_aligned}, "
                          f"GPU: {'none' if properties is None else f'compute capability {properties.major}.x'})")
     return plan
+
+
+def _smem_kernel_module():
+    """cross_entropy_smem_kernel, imported on first use: only where the shared-memory kernel may run, so that the row
+    kernel's path needs neither that module nor Gluon."""
+    import cross_entropy_smem_kernel
+    return cross_entropy_smem_kernel
 
 
 def _on_tensor_device(t):
@@ -849,7 +884,7 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     """Launch a kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
     losses [N] fp32, grad (same shape as logits, or None for loss only), scale an fp32 device tensor, extras an
     _Extras. positive_scale=False when the scale can be <= 0 (a user's grad_output). kernel, block_v, n_streamed,
-    n_ring are for tests: see _pick_smem_plan and _smem_plan."""
+    n_ring are for tests: see _pick_smem_plan and cross_entropy_smem_kernel._smem_plan."""
     V = logits.shape[-1]
     n_rows = targets_flat.numel()
     if n_rows == 0:
@@ -878,7 +913,7 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
         # One program per multiprocessor on the GPU (it takes the shared memory); the interpreter runs them in turn.
         n_programs = min(n_rows, properties.multi_processor_count if on_gpu else 4)
         with _on_tensor_device(logits):
-            _cross_entropy_smem_kernel[(n_programs,)](
+            _smem_kernel_module()._cross_entropy_smem_kernel[(n_programs,)](
                 logits, grad, targets_flat, losses, scale,
                 n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
                 targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
@@ -993,8 +1028,8 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean", 
     The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1; with
     inplace_backward=True it is written into the logits' own storage. weight .. return_predicted_tokens are the extras
     of `cross_entropy`. The last keyword-only arguments are for tests: kernel="rows" / "smem" forces a kernel,
-    block_v its chunk width, n_streamed and n_ring the shared-memory kernel's schedule (see _smem_plan); by default
-    the launcher picks (see _pick_smem_plan)."""
+    block_v its chunk width, n_streamed and n_ring the shared-memory kernel's schedule (see
+    cross_entropy_smem_kernel._smem_plan); by default the launcher picks (see _pick_smem_plan)."""
     who = "cross_entropy"
     _validate_cross_entropy(who, logits, targets, reduction, label_smoothing)
     _check_extras(who, weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
@@ -1664,493 +1699,6 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Part 2, for Hopper-class GPUs: the shared-memory kernel
-# ----------------------------------------------------------------------------------------------------------------------
-# Everything above is a complete cross-entropy. This part makes it faster where the hardware allows: the row kernel
-# reads each row twice and pass 2 finds only part of it in L2, so at 16384 x 128256 bf16 it reads about 6.2 GB for
-# 4.2 GB of logits. A Hopper multiprocessor has 227 KB of shared memory, most of a 250 KB row of LLaMA-3's vocabulary,
-# so this kernel keeps the row there: pass 2 reads it from shared memory, not from HBM (about 4.4 GB read; both
-# figures measured with Nsight Compute on an H200, see results/NOTES.md). The launcher sends it 16-bit logits with a
-# gradient on compute capability 9.x (_pick_smem_plan); results and arguments are those of the row kernel.
-#
-# Plain Triton decides on its own what goes to shared memory, so this kernel is written in Gluon, Triton's
-# lower-level dialect (triton.experimental.gluon, Triton 3.6): the same Python-embedded language, but with explicit
-# register layouts, explicit shared-memory buffers and explicit asynchronous copies (`cp.async`, global -> shared
-# without passing through registers). The arithmetic is the row kernel's: the same online softmax, exp2 and gradient
-# helpers (Gluon code can call @triton.jit functions).
-#
-# The schedule. One program per multiprocessor (it takes all the shared memory) walks over rows p, p + P, ... A row
-# is N_CHUNKS chunks of BLOCK_V columns plus a partial chunk (kept in registers). Chunks 0..K-1 are "streamed":
-# loaded into a small ring of Q shared-memory slots for pass 1 (evict_last, so that the second load, for pass 2,
-# finds them in L2) and loaded again for pass 2. The other chunks are "kept": each has its own slot, loaded once and
-# read by both passes. Each pass visits the chunks in the same order (streamed ones spread evenly among the kept), one
-# chunk per "step". A slot is refilled by the step that frees it:
-# - pass 2 of row r, once done with a kept chunk, loads the same chunk of row r + P into that slot, so the next row
-#   is in flight while this row's gradient is written (these loads were issued N_CHUNKS steps before their use);
-# - a ring slot is refilled with the streamed item Q items further on (the next load for pass 1 or pass 2, of this
-#   row or the next).
-# Each step commits one group of cp.async copies (possibly empty), so how many groups separate a load from its use is
-# known when the kernel is compiled, and `wait_group(n)` ("wait until at most n groups are in flight") waits for
-# exactly the data the step needs. Each thread copies and then reads the same 8 columns, so its own wait covers what it
-# reads; Gluon adds a barrier for the whole program after each wait and before each refill as well. On the CPU the
-# stand-in at the end of this file completes a copy only at the wait that covers it, so the tests check the counts.
-#
-# An ignored row reads nothing: its copies are skipped with a branch (not masked: a masked cp.async is slower), its
-# pass 1 only commits its (empty) groups, which keeps the wait counts fixed, and its pass 2 stores zeros. Program p
-# takes every P-th row, so an ignore mask whose period divides P (every other row ignored) leaves half the programs
-# idle; fine-tuning masks come in runs of prompt and padding tokens instead. The default shape (8192-wide chunks, 32
-# warps, K = 4 streamed chunks through Q = 2 ring slots) is the fastest measured on an H200 (see results/NOTES.md).
-if INTERPRETER or not _GLUON_VERIFIED:
-    # The CPU interpreter (and a Triton without the verified Gluon) sees this kernel as plain Triton; `gl` and
-    # `async_copy` are then the stand-in defined in the appendix at the end of this file.
-    _gluon_jit = triton.jit
-else:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    _gluon_jit = gluon.jit
-
-
-# The schedule's bookkeeping, evaluated when the kernel is compiled (constexpr functions of the step index u, the
-# chunk count N, the streamed count K and the ring size Q). Streamed "items" of a row: 0..K-1 are the pass-1 loads of
-# chunks 0..K-1, K..2K-1 their pass-2 re-loads.
-@triton.constexpr_function
-def _is_streamed(u, N, K):
-    """Step u of a pass handles a streamed chunk: K of the N steps, evenly spread."""
-    return (u + 1) * K // N > u * K // N
-
-
-@triton.constexpr_function
-def _streamed_chunk(u, N, K):
-    return u * K // N
-
-
-@triton.constexpr_function
-def _kept_chunk(u, N, K):
-    return K + u - (u + 1) * K // N
-
-
-@triton.constexpr_function
-def _item_step(item, N, K):
-    """The step of the row (0..2N-1; pass 2's steps are N..2N-1) that uses streamed item `item`."""
-    chunk = item % K
-    return (item // K) * N + ((chunk + 1) * N + K - 1) // K - 1
-
-
-@triton.constexpr_function
-def _item_wait_count(item, N, K, Q):
-    """Groups committed after item's load, before the step that uses it: the item was loaded by the step that used
-    item - Q (same ring slot), in this row or, for the first Q items, in the previous row (2N steps earlier)."""
-    if item >= Q:
-        loaded_at = _item_step(item - Q, N, K)
-    else:
-        loaded_at = _item_step(item - Q + 2 * K, N, K) - 2 * N
-    return _item_step(item, N, K) - 1 - loaded_at
-
-
-@_gluon_jit
-def _smem_prologue_step(U: tl.constexpr, ring, kept, first_row_ptr, first_valid, chunk_offsets, N: tl.constexpr,
-                        K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass-2 step U of a row before the first: issue what it would issue for the first row."""
-    if first_valid:
-        if _is_streamed(U, N, K):
-            ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)
-            if ITEM + Q >= 2 * K:  # refills its slot with the next row's pass-1 item ITEM + Q - 2K
-                async_copy.async_copy_global_to_shared(ring.index((ITEM + Q - 2 * K) % Q),
-                                                       first_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
-                                                       eviction_policy="evict_last")
-        else:
-            CHUNK: tl.constexpr = _kept_chunk(U, N, K)
-            async_copy.async_copy_global_to_shared(kept.index(CHUNK - K),
-                                                   first_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
-                                                   eviction_policy="evict_first")
-    async_copy.commit_group()
-
-
-@_gluon_jit
-def _smem_pass1_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum,
-                     sum_x_tile, tile: tl.constexpr, N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr,
-                     BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, lane_chunk,
-                     weight_ptr, softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
-                     TRACK_ARGMAX: tl.constexpr):
-    if valid:  # an ignored row's slots were never filled: nothing to wait for or read, only the group to commit
-        if _is_streamed(U, N, K):
-            ITEM: tl.constexpr = _streamed_chunk(U, N, K)  # pass-1 item ITEM is chunk ITEM
-            CHUNK: tl.constexpr = ITEM
-            slot = ring.index((ring_base + ITEM) % Q)
-            async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
-            x = slot.load(tile).to(tl.float32)
-            if HAS_SOFTCAP:  # extras as in _row_statistics
-                x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
-            if TRACK_ARGMAX:
-                lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=False)
-            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-            # Refill the slot with item ITEM + Q of this row: a later pass-1 chunk, or a pass-2 re-load.
-            if ITEM + Q < K:
-                async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q) * BLOCK_V + chunk_offsets,
-                                                       eviction_policy="evict_last")
-            else:
-                async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
-                                                       eviction_policy="evict_first")
-        else:
-            CHUNK: tl.constexpr = _kept_chunk(U, N, K)
-            # Loaded at the same step of the previous row's pass 2: 2N - 1 - N groups ago.
-            async_copy.wait_group(N - 1)
-            x = kept.index(CHUNK - K).load(tile).to(tl.float32)
-            if HAS_SOFTCAP:
-                x = _softcap(x, softcap, FAST_EXP2, FAST_TANH)
-            if TRACK_ARGMAX:
-                lane_chunk = _lane_argmax_update(x, CHUNK, lane_max, lane_chunk, IN_ORDER=True)
-            lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                sum_x_tile += x * gl.load(weight_ptr + CHUNK * BLOCK_V + chunk_offsets)
-            else:
-                sum_x_tile += x
-    async_copy.commit_group()
-    return lane_max, lane_sum, sum_x_tile, lane_chunk
-
-
-@_gluon_jit
-def _smem_store_gradient(x, valid, grad_row, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, chunk_offsets, row_max,
-                         exponent_offset, scale, smoothing_term, POSITIVE_SCALE: tl.constexpr,
-                         HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, weight_ptr, softcap,
-                         HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
-    if valid:
-        grad = _softmax_gradient(x, row_max, exponent_offset, scale, smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING,
-                                 FAST_EXP2, CHUNK * BLOCK_V + chunk_offsets, weight_ptr, softcap, HAS_WEIGHT,
-                                 HAS_SOFTCAP, FAST_TANH)
-    else:  # an ignored row: its slots were never filled (they hold an older row), the gradient is exactly 0
-        grad = gl.zeros_like(x)
-    tl.store(grad_row + CHUNK * BLOCK_V + chunk_offsets, _round_to(grad, grad_row.dtype.element_ty),
-             eviction_policy="evict_first")
-
-
-@_gluon_jit
-def _smem_pass2_step(U: tl.constexpr, ring, ring_base, kept, logits_row, valid, next_row_ptr, next_valid, grad_row,
-                     chunk_offsets, row_max, exponent_offset, scale, smoothing_term, tile: tl.constexpr,
-                     N: tl.constexpr, K: tl.constexpr, Q: tl.constexpr, BLOCK_V: tl.constexpr,
-                     POSITIVE_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP2: tl.constexpr, weight_ptr,
-                     softcap, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
-    if _is_streamed(U, N, K):
-        ITEM: tl.constexpr = K + _streamed_chunk(U, N, K)  # pass-2 item ITEM re-loads chunk ITEM - K
-        CHUNK: tl.constexpr = ITEM - K
-        slot = ring.index((ring_base + ITEM) % Q)
-        async_copy.wait_group(_item_wait_count(ITEM, N, K, Q))
-        x = slot.load(tile).to(tl.float32)
-        _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
-                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
-                             HAS_SOFTCAP, FAST_TANH)
-        if ITEM + Q < 2 * K:  # a later re-load of this row
-            if valid:
-                async_copy.async_copy_global_to_shared(slot, logits_row + (ITEM + Q - K) * BLOCK_V + chunk_offsets,
-                                                       eviction_policy="evict_first")
-        else:  # a pass-1 chunk of the next row
-            if next_valid:
-                async_copy.async_copy_global_to_shared(slot,
-                                                       next_row_ptr + (ITEM + Q - 2 * K) * BLOCK_V + chunk_offsets,
-                                                       eviction_policy="evict_last")
-    else:
-        CHUNK: tl.constexpr = _kept_chunk(U, N, K)
-        x = kept.index(CHUNK - K).load(tile).to(tl.float32)
-        _smem_store_gradient(x, valid, grad_row, CHUNK, BLOCK_V, chunk_offsets, row_max, exponent_offset, scale,
-                             smoothing_term, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
-                             HAS_SOFTCAP, FAST_TANH)
-        # The slot's last use in this row: load the next row's chunk into it.
-        if next_valid:
-            async_copy.async_copy_global_to_shared(kept.index(CHUNK - K),
-                                                   next_row_ptr + CHUNK * BLOCK_V + chunk_offsets,
-                                                   eviction_policy="evict_first")
-    async_copy.commit_group()
-
-
-@_gluon_jit
-def _cross_entropy_smem_kernel(
-    logits_ptr, grad_ptr, targets_ptr, losses_ptr, scale_ptr,  # as in _cross_entropy_kernel
-    n_rows, V, rows_per_batch, logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t, targets_stride,
-    scale_stride, ignore_index, label_smoothing,
-    weight_ptr, z_losses_ptr, z_scale_ptr, predicted_ptr, lse_square_scale, softcap,  # extras, as in the row kernel
-    BLOCK_V: tl.constexpr,  # chunk width (power of 2)
-    LANE_WIDTH: tl.constexpr,  # columns per lane, i.e. per thread and chunk (8 x 2 bytes = one 16-byte copy)
-    N_CHUNKS: tl.constexpr,  # V // BLOCK_V whole chunks per row (the partial rest stays in registers)
-    K: tl.constexpr,  # streamed chunks per row (1 <= K < N_CHUNKS)
-    Q: tl.constexpr,  # ring slots for them (1 <= Q <= K)
-    HAS_SMOOTHING: tl.constexpr, POSITIVE_SCALE: tl.constexpr, FAST_EXP2: tl.constexpr,
-    NUM_WARPS: tl.constexpr,  # = num_warps: Gluon layouts name the warps explicitly
-    HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
-    FAST_TANH: tl.constexpr,
-):
-    N: tl.constexpr = N_CHUNKS
-    N_LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
-    # Register layout of a chunk, [N_LANES, LANE_WIDTH]: each thread holds whole lanes (8 contiguous columns), so a
-    # lane's reduction stays in the thread, as in the row kernel. The same layout serves the copies, so each thread
-    # reads back exactly the bytes its own cp.async wrote.
-    tile: tl.constexpr = gl.BlockedLayout([1, LANE_WIDTH], [32, 1], [NUM_WARPS, 1], [1, 0])
-    lanes: tl.constexpr = gl.SliceLayout(1, tile)
-    columns: tl.constexpr = gl.SliceLayout(0, tile)
-    unswizzled: tl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a thread's 16 bytes stay contiguous
-    kept = gl.allocate_shared_memory(logits_ptr.dtype.element_ty, [N - K, N_LANES, LANE_WIDTH], unswizzled)
-    ring = gl.allocate_shared_memory(logits_ptr.dtype.element_ty, [Q, N_LANES, LANE_WIDTH], unswizzled)
-    lane_index = gl.arange(0, N_LANES, layout=lanes)
-    chunk_offsets = lane_index[:, None] * LANE_WIDTH + gl.arange(0, LANE_WIDTH, layout=columns)[None, :]
-    partial_offsets = N * BLOCK_V + chunk_offsets
-    partial_mask = partial_offsets < V
-    n_programs = gl.num_programs(0)
-
-    # An ignored row's logits are never read: the copies of a row are skipped (a branch taken by the whole program,
-    # not a copy mask) when its target is ignore_index, and past the last row. Each row's target is loaded one row
-    # ahead, so the row can start without waiting for it.
-    row = tl.cast(gl.program_id(0), tl.int64)
-    target = gl.load(targets_ptr + row * targets_stride).to(tl.int64)
-    logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
-    # Prologue: the first row's loads, as the pass 2 of a row before it would issue them (one group per step).
-    for u in gl.static_range(N):
-        async_copy.commit_group()  # that row's pass 1
-    for u in gl.static_range(N):
-        _smem_prologue_step(u, ring, kept, logits_row, target != ignore_index, chunk_offsets, N, K, Q, BLOCK_V)
-
-    ring_base = 0  # ring slot of this row's item 0: each row moves the ring on by 2K items
-    for row_index in range(gl.program_id(0), n_rows, n_programs):
-        row = tl.cast(row_index, tl.int64)
-        logits_row = _row_start(logits_ptr, row, rows_per_batch, logits_stride_b, logits_stride_t)
-        grad_row = _row_start(grad_ptr, row, rows_per_batch, grad_stride_b, grad_stride_t)
-        valid = target != ignore_index
-        next_row = gl.minimum(row + n_programs, n_rows - 1)  # clamped: a valid address even past the end
-        next_target = gl.load(targets_ptr + next_row * targets_stride).to(tl.int64)
-        next_valid = (row + n_programs < n_rows) & (next_target != ignore_index)
-        next_row_ptr = _row_start(logits_ptr, next_row, rows_per_batch, logits_stride_b, logits_stride_t)
-
-        target_ok = (target >= 0) & (target < V)
-        x_target = gl.load(logits_row + target, mask=target_ok & valid, other=0.0).to(tl.float32)
-        x_partial = gl.load(logits_row + partial_offsets, mask=partial_mask & valid, other=float("-inf"))
-        x_partial = x_partial.to(tl.float32)
-
-        # ---- pass 1: online softmax statistics ----
-        lane_max = gl.full([N_LANES], float("-inf"), tl.float32, lanes)
-        lane_sum = gl.zeros([N_LANES], tl.float32, lanes)
-        sum_x_tile = gl.zeros([N_LANES, LANE_WIDTH], tl.float32, tile)
-        lane_chunk = gl.full([N_LANES], _NO_CHUNK, tl.int32, lanes)  # extra: see _lane_argmax_update
-        for u in gl.static_range(N):
-            lane_max, lane_sum, sum_x_tile, lane_chunk = _smem_pass1_step(
-                u, ring, ring_base, kept, logits_row, valid, chunk_offsets, lane_max, lane_sum, sum_x_tile, tile,
-                N, K, Q, BLOCK_V, HAS_SMOOTHING, FAST_EXP2, lane_chunk, weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP,
-                FAST_TANH, TRACK_ARGMAX)
-        x = x_partial
-        if HAS_SOFTCAP:  # extras as in _row_statistics
-            x = gl.where(partial_mask, _softcap(x_partial, softcap, FAST_EXP2, FAST_TANH), float("-inf"))
-        if TRACK_ARGMAX:
-            lane_chunk = _lane_argmax_update(x, N, lane_max, lane_chunk, IN_ORDER=True)
-        lane_max, lane_sum = _online_softmax_update(x, lane_max, lane_sum, FAST_EXP2)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                sum_x_tile += gl.where(partial_mask, x, 0.0) * gl.load(weight_ptr + partial_offsets)
-            else:
-                sum_x_tile += gl.where(partial_mask, x, 0.0)
-        # An ignored row read nothing (every lane max -inf): its statistics are NaN, discarded by the `valid` selects.
-        if INTERPRETER:
-            # On the interpreter only (a constexpr: the GPU code has no such lines), finite placeholders instead, so
-            # that numpy does not warn about the -inf - (-inf) of the merge and of the gradient below.
-            lane_max = gl.where(valid, lane_max, 0.0)
-            lane_sum = gl.where(valid, lane_sum, 1.0)
-        row_max, row_sum, argmax_start = _merge_lanes(lane_max, lane_sum, FAST_EXP2,
-                                                      lane_chunk * BLOCK_V + lane_index * LANE_WIDTH, V, TRACK_ARGMAX)
-        lse = row_max + gl.log(row_sum)
-        logit_target = x_target
-        weight_target = 1.0
-        weight_total = 1.0
-        if HAS_SOFTCAP:  # extras as in the row kernel
-            logit_target = _softcap(x_target, softcap, FAST_EXP2, FAST_TANH)
-        if HAS_WEIGHT:
-            weight_target = gl.load(weight_ptr + target, mask=target_ok & valid, other=0.0)
-            weight_total = gl.load(weight_ptr + V)
-        loss = _row_loss(row_max, row_sum, logit_target, sum_x_tile, label_smoothing, V, HAS_SMOOTHING,
-                         weight_target, weight_total, HAS_WEIGHT)
-        gl.store(losses_ptr + row, gl.where(valid, gl.where(target_ok, loss, float("nan")), 0.0))
-        if HAS_Z_LOSS:
-            gl.store(z_losses_ptr + row, gl.where(valid, lse_square_scale * lse * lse, 0.0))
-        if TRACK_ARGMAX:
-            # Read before pass 2 overwrites it in place, used at the end of the row (see the row kernel). Here the
-            # layout is explicit: the thread that reads a lane is the one that overwrites it in pass 2, so program
-            # order alone keeps the read first, with no barrier.
-            argmax_columns, is_argmax_lane = _argmax_lane(argmax_start, lane_index, chunk_offsets, BLOCK_V,
-                                                          LANE_WIDTH)
-            x_argmax = gl.load(logits_row + argmax_columns,
-                               mask=is_argmax_lane[:, None] & (argmax_columns < V) & valid, other=float("-inf"))
-
-        # ---- pass 2: gradient (zeros for an ignored row) ----
-        row_scale = gl.load(scale_ptr + row * scale_stride).to(tl.float32)
-        scale = gl.where(valid, row_scale, 0.0)
-        softmax_scale, target_scale = _gradient_scales(scale, label_smoothing, V, weight_target, weight_total, lse,
-                                                       lse_square_scale, z_scale_ptr, row * scale_stride, HAS_WEIGHT,
-                                                       HAS_Z_LOSS)
-        if HAS_Z_LOSS:
-            softmax_scale = gl.where(valid, softmax_scale, 0.0)  # an ignored row's lse is NaN (or a placeholder)
-        exponent_offset = gl.log2(row_sum)
-        if POSITIVE_SCALE:
-            exponent_offset -= gl.log2(gl.where(valid, row_scale, 1.0))
-        exponent_offset = gl.where(target_ok, exponent_offset, float("nan"))  # bad target: NaN gradient
-        exponent_offset = gl.where(valid, exponent_offset, float("inf"))
-        smoothing_term = scale * (label_smoothing / V)
-        grad = _softmax_gradient(x_partial, row_max, exponent_offset, softmax_scale, smoothing_term, POSITIVE_SCALE,
-                                 HAS_SMOOTHING, FAST_EXP2, partial_offsets, weight_ptr, softcap, HAS_WEIGHT,
-                                 HAS_SOFTCAP, FAST_TANH)
-        gl.store(grad_row + partial_offsets, _round_to(gl.where(valid, grad, 0.0), grad_ptr.dtype.element_ty),
-                 mask=partial_mask, eviction_policy="evict_first")
-        for u in gl.static_range(N):
-            _smem_pass2_step(u, ring, ring_base, kept, logits_row, valid, next_row_ptr, next_valid, grad_row,
-                             chunk_offsets, row_max, exponent_offset, softmax_scale, smoothing_term, tile, N, K, Q,
-                             BLOCK_V, POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, weight_ptr, softcap, HAS_WEIGHT,
-                             HAS_SOFTCAP, FAST_TANH)
-        # The one-hot term, after every thread's stores of this row (as in the row kernel).
-        gl.thread_barrier()
-        one_hot = target_scale * (1.0 - label_smoothing)
-        if HAS_SOFTCAP:
-            one_hot = one_hot * _softcap_slope(logit_target, softcap)
-        # An ignored row or a target outside [0, V) must not address the class weights: class 0's stands in (the
-        # store below is masked off for them).
-        target_grad = _softmax_gradient(x_target, row_max, exponent_offset, softmax_scale, smoothing_term,
-                                        POSITIVE_SCALE, HAS_SMOOTHING, FAST_EXP2, gl.where(target_ok, target, 0),
-                                        weight_ptr, softcap, HAS_WEIGHT, HAS_SOFTCAP, FAST_TANH) - one_hot
-        gl.store(grad_row + target, _round_to(target_grad, grad_ptr.dtype.element_ty), mask=target_ok & valid)
-        if TRACK_ARGMAX:
-            if valid:
-                _store_argmax(x_argmax.to(tl.float32), argmax_columns, is_argmax_lane, predicted_ptr + row, V,
-                              softcap, HAS_SOFTCAP, FAST_EXP2, FAST_TANH)
-            else:
-                gl.store(predicted_ptr + row, -1)
-        ring_base = (ring_base + 2 * K) % Q
-        target = next_target
-    async_copy.wait_group(0)  # no copy may still be writing shared memory when the program exits
-
-
-def _smem_plan(V, itemsize, properties, block_v=None, n_streamed=None, n_ring=None):
-    """(BLOCK_V, num_warps, N_CHUNKS, K, Q) for the shared-memory kernel, or None where it does not apply: fp32
-    logits (half as much of the row would fit), vocabularies under two chunks, a GPU without ~200 KB of shared memory
-    per block. Which GPUs may run it at all is _smem_kernel_allowed's rule. The keywords are for tests.
-    `properties`: torch.cuda.get_device_properties of the logits' GPU, None on the CPU interpreter.
-
-    GPU: 8192-wide chunks, 32 warps, K = 4 streamed chunks through Q = 2 ring slots (the fastest measured on an H200,
-    see results/NOTES.md), more streamed chunks when the kept ones would not fit. CPU interpreter: 256-wide chunks
-    (one warp of 8-column lanes) and about half the chunks streamed through two slots, so that the tests run every
-    kind of step.
-    """
-    if itemsize != 2:
-        return None
-    if properties is not None:
-        shared_bytes = getattr(properties, "shared_memory_per_block_optin", 0)
-        if shared_bytes < 200 * 1024:
-            return None
-        block_v = block_v or 8192
-        slot_budget = (shared_bytes - 4096) // (block_v * itemsize)  # 4 KB for the reductions' scratch
-    else:
-        block_v = block_v or 256
-        slot_budget = None
-    n_chunks = V // block_v
-    if n_chunks < 2:
-        return None
-    if properties is not None:
-        n_streamed = n_streamed or min(4, n_chunks - 1)
-        n_ring = n_ring or min(2, n_streamed)
-        n_streamed = max(n_streamed, n_chunks + n_ring - slot_budget)  # the kept chunks must fit
-    else:
-        n_streamed = n_streamed or (n_chunks + 1) // 2
-        n_ring = n_ring or min(2, n_streamed)
-    if not 1 <= n_ring <= n_streamed < n_chunks:
-        raise ValueError(f"cross_entropy_forward: need 1 <= n_ring ({n_ring}) <= n_streamed ({n_streamed}) "
-                         f"< V // block_v ({n_chunks})")
-    num_warps = max(1, block_v // (_LANE_WIDTH * 32))  # one thread per 8-column lane
-    return block_v, num_warps, n_chunks, n_streamed, n_ring
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Appendix: running the Gluon kernel on the CPU interpreter
-# ----------------------------------------------------------------------------------------------------------------------
-# Gluon does not run on Triton's CPU interpreter, so there the same kernel source runs as a Triton kernel through a
-# small stand-in for the Gluon names it uses: layouts are ignored, a shared-memory slot is a Python value, and an
-# asynchronous copy is a load done at once. The CPU tests thus check the schedule's data flow (which chunk is in which
-# slot at each step); the GPU tests check the timing (the wait counts).
-class _InterpretedGluon:
-    """The Gluon names the shared-memory kernel uses, on top of triton.language, for the CPU interpreter."""
-
-    class _Layout:
-        def __init__(self, *args, **kwargs):
-            pass
-
-    BlockedLayout = SliceLayout = SwizzledSharedLayout = _Layout
-
-    class _SharedSlot:
-        def __init__(self, buffer, index):
-            self.buffer, self.index = buffer, int(index)
-
-        def store(self, value):
-            self.buffer.values[self.index] = value
-
-        def load(self, layout):
-            if self.index not in self.buffer.values:  # never filled (an ignored first row): whatever, as on the GPU
-                return tl.zeros(self.buffer.slot_shape, self.buffer.dtype)
-            return self.buffer.values[self.index]
-
-    class _SharedBuffer:
-        def __init__(self, dtype, slot_shape):
-            self.dtype, self.slot_shape, self.values = dtype, slot_shape, {}
-
-        def index(self, i):
-            return _InterpretedGluon._SharedSlot(self, i)
-
-    def __getattr__(self, name):
-        # Looked up at call time: the interpreter patches triton.language's functions while a kernel runs.
-        return getattr(tl, name)
-
-    @staticmethod
-    def allocate_shared_memory(dtype, shape, layout):
-        _InterpretedGluon._open_group, _InterpretedGluon._committed_groups = [], []  # a program starts with no copies
-        return _InterpretedGluon._SharedBuffer(dtype, list(shape[1:]))
-
-    @staticmethod
-    def arange(start, end, layout=None):
-        return tl.arange(start, end)
-
-    @staticmethod
-    def full(shape, value, dtype, layout=None):
-        return tl.full(shape, value, dtype)
-
-    @staticmethod
-    def zeros(shape, dtype, layout=None):
-        return tl.zeros(shape, dtype)
-
-    @staticmethod
-    def thread_barrier():
-        return tl.debug_barrier()
-
-    # cp.async, modelled as the GPU allows it to behave, so that the CPU tests check the kernel's wait counts: a copy
-    # fills its slot with NaN when issued (the slot's contents are undefined while the copy is in flight) and reads
-    # global memory only when a wait_group completes its group (as late as the GPU may read it). A read before the
-    # right wait, or a refill before the slot's last read, then gives NaN losses or gradients.
-    _open_group, _committed_groups = [], []  # copies issued since the last commit; committed groups, oldest first
-
-    @staticmethod
-    def async_copy_global_to_shared(slot, pointer, eviction_policy=""):
-        slot.store(tl.full(slot.buffer.slot_shape, float("nan"), tl.float32).to(slot.buffer.dtype))
-        _InterpretedGluon._open_group.append((slot, pointer))
-
-    @staticmethod
-    def commit_group():
-        _InterpretedGluon._committed_groups.append(_InterpretedGluon._open_group)
-        _InterpretedGluon._open_group = []
-
-    @staticmethod
-    def wait_group(num_outstanding):
-        groups = _InterpretedGluon._committed_groups
-        while len(groups) > num_outstanding:  # the interpreter passes constexpr counts as Python ints
-            for slot, pointer in groups.pop(0):
-                slot.store(tl.load(pointer))
-
-
-if INTERPRETER or not _GLUON_VERIFIED:
-    gl = async_copy = _InterpretedGluon()  # noqa: F811 (on a GPU with Triton 3.6, Part 2 imports the real ones)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # 4. Run as a script
 # ----------------------------------------------------------------------------------------------------------------------
 def _max_rel_err(x, ref):
@@ -2243,4 +1791,8 @@ def _main(argv=None):
 
 
 if __name__ == "__main__":
+    # cross_entropy_smem_kernel imports its helpers from `cross_entropy_kernel`: it finds this run's module under that
+    # name instead of executing the file a second time (a second copy of every kernel, custom operators registered
+    # again).
+    sys.modules.setdefault("cross_entropy_kernel", sys.modules[__name__])
     sys.exit(_main())

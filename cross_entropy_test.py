@@ -1,5 +1,6 @@
-"""Correctness tests for cross_entropy_kernel.py: the fused cross-entropy, the fused linear cross-entropy, their
-extras (class weights, z-loss, softcap, token accuracy, predicted tokens), and the launcher's choice of kernel.
+"""Correctness tests for cross_entropy_kernel.py and cross_entropy_smem_kernel.py: the fused cross-entropy, the fused
+linear cross-entropy, their extras (class weights, z-loss, softcap, token accuracy, predicted tokens), and the
+launcher's choice of kernel.
 
     pytest cross_entropy_test.py -q      # or: python cross_entropy_test.py (pytest with a PASSED/FAILED line per check)
 
@@ -19,8 +20,10 @@ derived from it. The GPU-only checks (int64 offsets past 2^31 elements, peak mem
 the shared-memory kernel is the default, the extras at LLaMA-3 sizes) are skipped there.
 """
 import argparse
+import re
 import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -444,11 +447,13 @@ def test_cpu_model_of_async_copies_catches_a_short_wait(monkeypatch, wrong_wait)
     expected, _ = ck.cross_entropy_forward(logits.clone(), targets, reduction="none", kernel="rows", block_v=256)
     loss, _ = ck.cross_entropy_forward(logits.clone(), targets, **kw)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    import cross_entropy_smem_kernel as smem  # the launcher has imported it for the call above
+
     if wrong_wait == "streamed":
-        item_wait_count = ck._item_wait_count
-        monkeypatch.setattr(ck, "_item_wait_count", lambda item, N, K, Q: item_wait_count(item, N, K, Q) + 1)
+        item_wait_count = smem._item_wait_count
+        monkeypatch.setattr(smem, "_item_wait_count", lambda item, N, K, Q: item_wait_count(item, N, K, Q) + 1)
     else:
-        async_copy = ck.async_copy
+        async_copy = smem.async_copy
 
         class LateKeptWait:  # the waits for N - 1 groups (pass 1's for a kept chunk) allow one more in flight
             def __getattr__(self, name):
@@ -459,7 +464,7 @@ def test_cpu_model_of_async_copies_catches_a_short_wait(monkeypatch, wrong_wait)
                 return async_copy.wait_group(num_outstanding + int(num_outstanding == n_chunks - 1))
 
         n_chunks = V // 256
-        monkeypatch.setattr(ck, "async_copy", LateKeptWait())
+        monkeypatch.setattr(smem, "async_copy", LateKeptWait())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # NaN arithmetic on the interpreter
         loss, _ = ck.cross_entropy_forward(logits.clone(), targets, **kw)
@@ -654,7 +659,7 @@ def test_dispatch_extras():
 def test_dispatch_row_kernel_cases(monkeypatch):
     """On an H200, what still goes to the row kernel: fp32 logits, the loss alone, rows not 16-byte aligned, fewer
     than 8 rows per multiprocessor (the linear cross-entropy's 768-row chunks), a vocabulary under two chunks, and a
-    Triton other than the verified 3.6."""
+    Triton whose Gluon lacks a name the shared-memory kernel uses."""
     h200 = GPUS["H200"]
     assert ck._pick_smem_plan(128256, 4, 16384, True, True, h200) is None  # fp32
     assert ck._pick_smem_plan(128256, 2, 16384, False, True, h200) is None  # loss only
@@ -664,8 +669,33 @@ def test_dispatch_row_kernel_cases(monkeypatch):
     assert ck._pick_smem_plan(16000, 2, 16384, True, True, h200) is None  # one 8192-wide chunk
     # A larger vocabulary (151936: 18 chunks) streams more chunks so that the kept ones fit: 11 kept + 2 ring slots.
     assert ck._pick_smem_plan(151936, 2, 16384, True, True, h200)[2:] == (18, 7, 2)
-    monkeypatch.setattr(ck, "_GLUON_VERIFIED", False)
+    monkeypatch.setattr(ck, "_missing_gluon_names", lambda: ("triton.experimental.gluon.language.barrier",))
     assert ck._pick_smem_plan(128256, 2, 16384, True, True, h200) is None
+
+
+def test_gluon_gate_lists_every_name_the_kernel_uses():
+    """The dispatch gates the shared-memory kernel on the Gluon names it uses (_GLUON_NAMES, plus the barrier under
+    either of its names): every gl.*, async_copy.* and gluon.* name in cross_entropy_smem_kernel.py must be listed."""
+    lines = (Path(ck.__file__).parent / "cross_entropy_smem_kernel.py").read_text().splitlines()
+    source = "\n".join(line for line in lines if not re.match(r"\s*(from|import) ", line))
+    listed = {(module.rsplit(".", 1)[-1], name) for module, names in ck._GLUON_NAMES.items() for name in names}
+    aliases = {"language": "gl", "async_copy": "async_copy", "gluon": "gluon"}
+    listed = {(aliases[module], name) for module, name in listed}
+    used = {(prefix, name) for prefix, name in re.findall(r"\b(gl|async_copy|gluon)\.(\w+)", source)}
+    used -= {("gl", "barrier"), ("gl", "thread_barrier")}
+    assert used and used <= listed, f"not checked by the dispatch: {sorted(used - listed)}"
+
+
+def test_gluon_gate_reports_what_is_missing(monkeypatch):
+    """_missing_gluon_names (uncached here) names each missing name, and every name of a module that cannot be
+    imported: the dispatch then takes the row kernel (see test_dispatch_row_kernel_cases)."""
+    names = dict(ck._GLUON_NAMES)
+    names["triton.experimental.gluon.language"] += ("no_such_name",)
+    names["triton.experimental.gluon.no_such_module"] = ("a", "b")
+    monkeypatch.setattr(ck, "_GLUON_NAMES", names)
+    assert ck._missing_gluon_names.__wrapped__() == ("triton.experimental.gluon.language.no_such_name",
+                                                     "triton.experimental.gluon.no_such_module.a",
+                                                     "triton.experimental.gluon.no_such_module.b")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
