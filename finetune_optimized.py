@@ -1242,7 +1242,8 @@ class ModelBytes:
     vocab_size: int
     param_count: int
     layer_param_count: int  # one decoder layer's parameters (attention, MLP, its two norms)
-    largest_param_count: int  # the largest single parameter tensor (embedding or lm_head): the optimizer steps one
+    largest_param_count: int  # the largest parameter tensor (embedding or lm_head): when parameters are stepped one
+    # at a time, the most gradient or moment bytes the GPU holds at once
     param_bytes: int
     grad_bytes: int
     optimizer_state_bytes: int
@@ -1564,6 +1565,8 @@ def choose_plan(budget_bytes, model_bytes, batch, seq_len, given=None, host_budg
     whose offloads fit host_budget_bytes of pinned host memory; or (None, leanest) when none fits, leanest being the
     candidate with the smallest estimated peak, whose parts say what the step needs.
 
+    budget_bytes: what the step may allocate: the GPU's memory less the CUDA context, library workspaces and the
+    allocator's fragmentation (~3 GiB on an 80 GB H100).
     given: levers fixed by the user ({"activation_checkpointing": "full", ...}, names as in MemoryPlan): only
     candidates with those values compete, the plan fills in the rest. Pure: the same arguments give the same plan,
     and a larger budget never a costlier one (one cost-ordered candidate list, independent of the budget; the first
@@ -1901,7 +1904,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def state_dict(self):
         self._wait_for_copies()  # the host tensors are complete only once the copies back have run
-        return super().state_dict()
+        state_dict = super().state_dict()
+        # In parameter order, as AdamW's: the state was created in the order the backward reached the parameters.
+        state_dict["state"] = dict(sorted(state_dict["state"].items()))
+        return state_dict
 
     def load_state_dict(self, state_dict):
         """Loads a state_dict of this class or of torch.optim.AdamW over the same params. torch's loader would put
