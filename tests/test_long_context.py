@@ -228,7 +228,7 @@ def test_cli_search_and_grad_accumulation(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--tiled-mlp", "0"], "--tiled-mlp takes a positive number"),
+    (["--tiled-mlp", "0"], "--tiled-mlp must be positive"),
     (["--offload-activations", "1", "--memory-plan", "manual"], "need --activation-checkpointing"),
     (["--offload-activations", "1", "--activation-checkpointing", "none"], "need --activation-checkpointing"),
     (["--optimizer-in-backward", "--grad-accum-steps", "2"], "cannot be accumulated"),
