@@ -8,6 +8,20 @@ and only then multiply by the weight (the output dtype is PyTorch's promotion of
 Backward, with n = x.float() * rstd and g = dy * weight (the gradient reaching `normed`):
     dx = rstd * (g - n * mean(g * n))  per row;    dw = sum over all rows of dy * normed
 
+Options (argument names as in Liger-Kernel's LigerRMSNormFunction)
+-------------------------------------------------------------------
+- casting_mode: where values round to x's dtype, after each model family's own code. "llama" (default): as above.
+  "gemma" (GemmaRMSNorm): everything in fp32, one rounding at the end, output in x's dtype:
+  y = (x.float() * rstd * (offset + weight.float())).to(x.dtype). "none": every step in x's dtype, as PyTorch runs
+  these ops on a bf16 tensor without upcasting (x ** 2, the mean, + eps, rsqrt, x * rstd and * weight each round).
+- offset: y = normed * (offset + weight). Gemma stores its weight as w - 1 and uses offset 1.0.
+- weight None (elementwise_affine=False in the module): y = normed, and no dw.
+- in_place: the backward writes dx into dy's buffer (one [rows, H] buffer less) when dy is contiguous and of x's
+  dtype. Only for a dy that nothing else reads afterwards: a residual branch that also receives dy would see dx.
+Each option is a compile-time constant of the kernels (tl.constexpr): the default path compiles to the same machine
+code as before the options existed, and each other combination compiles once. The backward computes in fp32 in every
+mode and rounds once (eager's extra roundings in a backward are artifacts of running separate ops, not of the model).
+
 Bytes it must move
 ------------------
 Unfused, PyTorch runs pow, mean, add, rsqrt, mul, cast and mul as separate kernels, each a trip of a [rows, H] tensor
@@ -32,8 +46,8 @@ Triton concepts introduced here
 Limits
 ------
 A whole row lives in one program's registers: H <= MAX_HIDDEN_SIZE (65536; LLaMA-3.1-8B uses 4096). x is fp32, bf16 or
-fp16 with any leading dimensions, strided (non-contiguous) or empty; eps is a finite number >= 0. Without a GPU the
-same kernels run on Triton's CPU interpreter (slow: toy sizes).
+fp16 with any leading dimensions, strided (non-contiguous) or empty; eps and offset are finite numbers, eps >= 0.
+Without a GPU the same kernels run on Triton's CPU interpreter (slow: toy sizes).
 
 torch.compile traces the kernels as custom operators (torch.ops.playbook.*, section 3); eager calls keep the
 autograd.Function, which costs less host time.
@@ -42,6 +56,7 @@ import contextlib
 import math
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -81,8 +96,16 @@ def _round_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-__all__ = ["MAX_HIDDEN_SIZE", "rmsnorm_forward", "rmsnorm_backward", "RMSNormFunction", "rms_norm", "TritonRMSNorm",
-           "replace_rmsnorm"]
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """x (fp32) rounded to `dtype` and widened back to fp32: the value a tensor of `dtype` would hold."""
+    return _round_to(x, dtype).to(tl.float32)
+
+
+CASTING_MODES = ("llama", "gemma", "none")
+
+__all__ = ["MAX_HIDDEN_SIZE", "CASTING_MODES", "GEMMA_RMSNORM_CLASSES", "rmsnorm_forward", "rmsnorm_backward",
+           "RMSNormFunction", "rms_norm", "TritonRMSNorm", "replace_rmsnorm"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -91,8 +114,8 @@ __all__ = ["MAX_HIDDEN_SIZE", "rmsnorm_forward", "rmsnorm_backward", "RMSNormFun
 @triton.jit
 def _rmsnorm_forward_kernel(
     x_ptr,          # input rows [n_rows, n_cols], unit stride along a row; fp32, bf16 or fp16
-    weight_ptr,     # [n_cols]
-    y_ptr,          # output rows [n_rows, n_cols], in PyTorch's promotion of the weight and x dtypes
+    weight_ptr,     # [n_cols], or None without a weight
+    y_ptr,          # output rows [n_rows, n_cols]: PyTorch's promotion of the weight and x dtypes ("gemma": x's)
     rstd_ptr,       # [n_rows] fp32: 1 / rms of each row, saved for the backward
     x_row_stride,   # elements from one row of x to the next (more than n_cols when x is a slice of a wider tensor)
     y_row_stride,   # the same for y
@@ -101,7 +124,12 @@ def _rmsnorm_forward_kernel(
     eps,            # added to the mean square before the square root
     BLOCK_ROWS: tl.constexpr,  # rows per program
     BLOCK_COLS: tl.constexpr,  # n_cols rounded up to a power of two (block shapes must be powers of two)
+    CASTING_MODE: tl.constexpr,  # "llama", "gemma" or "none": where values round to x's dtype (module docstring)
+    OFFSET: tl.constexpr,        # y = normed * (OFFSET + weight): 0.0, or 1.0 for Gemma's weights stored as w - 1
+    HAS_WEIGHT: tl.constexpr,    # False: y = normed
 ):
+    # The options are compile-time constants: an `if` on them is decided while compiling and the branch not taken
+    # generates no code, so the default (Llama) kernel is the same machine code as before the options existed.
     # Program p normalizes rows p * BLOCK_ROWS ... p * BLOCK_ROWS + BLOCK_ROWS - 1, each row whole.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
@@ -113,16 +141,33 @@ def _rmsnorm_forward_kernel(
 
     # A [BLOCK_ROWS, BLOCK_COLS] block of pointers. Masked-off elements load as 0, so they add nothing to the sum of
     # squares. The math runs in fp32 whatever the input dtype.
+    x_dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # Divide by the true hidden size, not BLOCK_COLS.
-    mean_square = tl.sum(x * x, axis=1) / n_cols
-    rstd = tl.rsqrt(mean_square + eps)
+    if CASTING_MODE == "none":
+        # PyTorch rounds the result of every op on a bf16 tensor to bf16 (it computes each in fp32 internally): so
+        # does this branch, step by step. The mean's sum is accumulated in fp32, as PyTorch's is.
+        mean_square = _rounded(tl.sum(_rounded(x * x, x_dtype), axis=1) / n_cols, x_dtype)
+        rstd = _rounded(tl.rsqrt(_rounded(mean_square + eps, x_dtype)), x_dtype)
+    else:
+        # Divide by the true hidden size, not BLOCK_COLS.
+        mean_square = tl.sum(x * x, axis=1) / n_cols
+        rstd = tl.rsqrt(mean_square + eps)
 
-    # LlamaRMSNorm's cast order: normalize in fp32, round to the input dtype, THEN multiply by the weight. In bf16 the
-    # weight multiplies the rounded values, so multiplying in fp32 and rounding once would give different bits.
-    normed = _round_to(x * rstd[:, None], x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
-    y = weight.to(tl.float32)[None, :] * normed.to(tl.float32)
+    normed = x * rstd[:, None]
+    if CASTING_MODE != "gemma":
+        # LlamaRMSNorm's cast order: normalize in fp32, round to the input dtype, THEN multiply by the weight. In bf16
+        # the weight multiplies the rounded values, so multiplying in fp32 and rounding once would give different
+        # bits. GemmaRMSNorm's order is that other one: fp32 to the end, one rounding.
+        normed = _rounded(normed, x_dtype)
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if OFFSET != 0.0:
+            weight += OFFSET
+            if CASTING_MODE == "none":
+                weight = _rounded(weight, weight_ptr.dtype.element_ty)  # offset + weight: a tensor of its dtype
+        y = weight[None, :] * normed
+    else:
+        y = normed
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], _round_to(y, y_ptr.dtype.element_ty), mask=mask)
     # One fp32 per row saved for the backward pass, so it need not recompute the sum of squares.
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -136,10 +181,12 @@ def _rmsnorm_forward_kernel(
 def _rmsnorm_backward_kernel(
     dy_ptr,          # upstream gradient rows [n_rows, n_cols], unit stride along a row
     x_ptr,           # the forward's input rows
-    weight_ptr,      # [n_cols]
+    weight_ptr,      # [n_cols], or None without a weight
     rstd_ptr,        # [n_rows] fp32, from the forward
-    dx_ptr,          # output rows [n_rows, n_cols], in x's dtype
+    dx_ptr,          # output rows [n_rows, n_cols], in x's dtype. In place it is dy_ptr itself: safe, because each
+                     # row block is loaded whole before its dx is stored, and no other program touches those rows
     dw_partial_ptr,  # output [number of programs, n_cols] fp32: one row of partial weight-gradient sums per program
+                     # (None without a weight)
     dy_row_stride,   # each tensor has its own row stride: the upstream gradient need not be laid out like x
     x_row_stride,
     dx_row_stride,
@@ -148,15 +195,23 @@ def _rmsnorm_backward_kernel(
     BLOCK_ROWS: tl.constexpr,  # rows per loop step
     BLOCK_COLS: tl.constexpr,  # n_cols rounded up to a power of two
     NUM_STAGES: tl.constexpr,  # row blocks in flight: loads of the next ones overlap the math on this one
+    CASTING_MODE: tl.constexpr,  # the forward's options
+    OFFSET: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     # Program p handles row blocks p, p + P, p + 2P, ... (P programs in the grid).
     program = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
-    # Loaded once per program, reused for every row block it handles.
-    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    if HAS_WEIGHT:
+        # The factor the forward multiplied by, loaded once per program and reused for every row block it handles.
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if OFFSET != 0.0:
+            weight += OFFSET
+            if CASTING_MODE == "none":
+                weight = _rounded(weight, weight_ptr.dtype.element_ty)
+        dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
 
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     # tl.range is range() with pipelining hints: num_stages lets the compiler start loading the next row blocks while
@@ -171,20 +226,28 @@ def _rmsnorm_backward_kernel(
         dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
 
-        normed = x * rstd[:, None]
-        # The forward pass multiplied the weight by the ROUNDED normalized values; its gradient sees those too.
-        dw_acc += dy * _round_to(normed, x_ptr.dtype.element_ty).to(tl.float32)
+        normed = x * rstd[:, None]  # "none": with the rounded rstd its forward used
+        if HAS_WEIGHT:
+            # dw sums dy times what the forward multiplied the weight by: the ROUNDED normalized values, except in
+            # Gemma's order, which keeps them in fp32.
+            if CASTING_MODE == "gemma":
+                dw_acc += dy * normed
+            else:
+                dw_acc += dy * _rounded(normed, x_ptr.dtype.element_ty)
+            dnormed = dy * weight[None, :]
+        else:
+            dnormed = dy
 
         # dx = rstd * (g - n * mean(g * n)): the second term is the gradient flowing through rstd's dependence on x.
-        dnormed = dy * weight[None, :]
         mean_dnormed_normed = tl.sum(dnormed * normed, axis=1) / n_cols
         dx = (dnormed - normed * mean_dnormed_normed[:, None]) * rstd[:, None]
         tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], _round_to(dx, dx_ptr.dtype.element_ty),
                  mask=mask)
 
-    # One row of fp32 partial sums per program; the launcher adds the rows.
-    dw_partial = tl.sum(dw_acc, axis=0)
-    tl.store(dw_partial_ptr + program.to(tl.int64) * n_cols + cols, dw_partial, mask=col_mask)
+    if HAS_WEIGHT:
+        # One row of fp32 partial sums per program; the launcher adds the rows.
+        dw_partial = tl.sum(dw_acc, axis=0)
+        tl.store(dw_partial_ptr + program.to(tl.int64) * n_cols + cols, dw_partial, mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -202,25 +265,45 @@ def _check_eps(who, eps):
         raise ValueError(f"{who}: eps must be a finite number >= 0 (LLaMA uses 1e-5), got {eps}")
 
 
-def _validate(x, weight, eps):
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("rms_norm: x and weight must be torch.Tensors")
-    if not x.is_floating_point() or not weight.is_floating_point():
-        raise TypeError(f"rms_norm: x and weight must be floating point, got x {x.dtype} and weight {weight.dtype}")
+def _check_options(who, offset, casting_mode):
+    """offset: a finite real number; casting_mode: one of CASTING_MODES."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise TypeError(f"{who}: offset must be a float, got {type(offset).__name__}")
+    if not -float("inf") < offset < float("inf"):  # also False for NaN
+        raise ValueError(f"{who}: offset must be a finite number (0.0, or Gemma's 1.0), got {offset}")
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"{who}: casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, "
+                         f"got {casting_mode!r}")
+
+
+def _validate(x, weight, eps, offset=0.0, casting_mode="llama"):
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, (torch.Tensor, type(None))):
+        raise TypeError("rms_norm: x and weight must be torch.Tensors (weight may be None)")
+    if not x.is_floating_point() or (weight is not None and not weight.is_floating_point()):
+        raise TypeError(f"rms_norm: x and weight must be floating point, got x {x.dtype} and weight "
+                        f"{None if weight is None else weight.dtype}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"rms_norm: x must be float32, bfloat16 or float16, got {x.dtype}")
     _check_eps("rms_norm", eps)
+    _check_options("rms_norm", offset, casting_mode)
     if x.dim() == 0:
         raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
         raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match the last dimension of x "
                          f"({x.shape[-1]}); expected a weight of shape ({x.shape[-1]},)")
     if x.shape[-1] > MAX_HIDDEN_SIZE:
         raise ValueError(f"rms_norm: hidden size {x.shape[-1]} is above the maximum of {MAX_HIDDEN_SIZE} "
                          f"(a whole row must fit in one program's registers)")
-    if x.device != weight.device:
+    if weight is not None and x.device != weight.device:
         raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
     _check_device("rms_norm", "x", x)
+
+
+def _output_dtype(x, weight, casting_mode):
+    """y's dtype: x's in Gemma's order (`.type_as(x)`) or without a weight, else what `weight * normed` gives."""
+    if weight is None or casting_mode == "gemma":
+        return x.dtype
+    return torch.promote_types(weight.dtype, x.dtype)
 
 
 def _as_rows(t):
@@ -263,14 +346,14 @@ def _backward_config(n_cols):
     return block_rows, block_cols, num_warps, 3
 
 
-def rmsnorm_forward(x, weight, eps):
-    """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row."""
-    _validate(x, weight, eps)
+def rmsnorm_forward(x, weight, eps, offset=0.0, casting_mode="llama"):
+    """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row. weight may be None."""
+    _validate(x, weight, eps, offset, casting_mode)
     x_rows = _as_rows(x)
-    weight = weight.contiguous()  # the kernels read the weight with unit stride; a copy only for a strided view
+    if weight is not None:
+        weight = weight.contiguous()  # the kernels read the weight with unit stride; a copy only for a strided view
     n_rows, n_cols = x_rows.shape
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)  # what `weight * normed` gives in LlamaRMSNorm
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    y = torch.empty((n_rows, n_cols), dtype=_output_dtype(x, weight, casting_mode), device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if y.numel() > 0:  # no rows or no columns: nothing to normalize (a grid dimension of 0 is not allowed)
         block_rows, block_cols, num_warps = _forward_config(n_cols)
@@ -280,22 +363,33 @@ def rmsnorm_forward(x, weight, eps):
                 x_rows, weight, y, rstd,
                 x_rows.stride(0), y.stride(0),
                 n_rows, n_cols, eps,
-                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+                # A float offset, so that 1 and 1.0 are the same compiled kernel.
+                CASTING_MODE=casting_mode, OFFSET=float(offset), HAS_WEIGHT=weight is not None,
+                num_warps=num_warps,
             )
     return y.view(x.shape), rstd
 
 
-def rmsnorm_backward(dy, x, weight, rstd):
-    """Launch the backward kernel. Returns (dx, dw)."""
+def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_place=False):
+    """Launch the backward kernel. Returns (dx, dw); dw is None when weight is None. in_place=True writes dx into dy
+    when dy is contiguous and of x's dtype (dx is then a view of dy), else into a new buffer."""
     if dy.shape != x.shape:
         raise ValueError(f"rmsnorm_backward: dy of shape {tuple(dy.shape)} does not match x of shape {tuple(x.shape)}")
+    _check_options("rmsnorm_backward", offset, casting_mode)
     x_rows = _as_rows(x)
     dy_rows = _as_rows(dy)
-    weight = weight.contiguous()
+    if weight is not None:
+        weight = weight.contiguous()
     n_rows, n_cols = x_rows.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    # dy contiguous: one row per H elements, each written once (an expanded dy, stride 0, has rows that share
+    # memory); dx is in x's dtype, dy in the output's, which differs for a bf16 x with an fp32 weight.
+    if in_place and dy.is_contiguous() and dy.dtype == x.dtype:
+        dx = dy_rows
+    else:
+        dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
-        return dx.view(x.shape), torch.zeros_like(weight)
+        return dx.view(x.shape), None if weight is None else torch.zeros_like(weight)
     block_rows, block_cols, num_warps, num_stages = _backward_config(n_cols)
     n_row_blocks = triton.cdiv(n_rows, block_rows)
     if INTERPRETER:
@@ -305,16 +399,18 @@ def rmsnorm_backward(dy, x, weight, rstd):
         # more row of partial sums to write and add.
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
         n_programs = min(n_row_blocks, sm_count)
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    dw_partial = None if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     with _on_tensor_device(x):
         _rmsnorm_backward_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd, dx, dw_partial,
             dy_rows.stride(0), x_rows.stride(0), dx.stride(0),
             n_rows, n_cols,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages, num_warps=num_warps,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages,
+            CASTING_MODE=casting_mode, OFFSET=float(offset), HAS_WEIGHT=weight is not None,
+            num_warps=num_warps,
         )
     # A [n_programs, H] fp32 sum: a few MB at most, and deterministic.
-    dw = dw_partial.sum(dim=0).to(weight.dtype)
+    dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
     return dx.view(x.shape), dw
 
 
@@ -322,18 +418,23 @@ def rmsnorm_backward(dy, x, weight, rstd):
 # 3. Autograd Function, custom operators (torch.compile), functional API, module, model patching
 # ----------------------------------------------------------------------------------------------------------------------
 class RMSNormFunction(torch.autograd.Function):
+    """RMSNormFunction.apply(x, weight, eps, offset=0.0, casting_mode="llama", in_place=False): the arguments of
+    Liger-Kernel's LigerRMSNormFunction, whose row_mode (a choice between two of its kernels) has no counterpart here.
+    in_place defaults to False here, True there."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = rmsnorm_forward(x, weight, eps)
+    def forward(ctx, x, weight, eps, offset=0.0, casting_mode="llama", in_place=False):
+        y, rstd = rmsnorm_forward(x, weight, eps, offset, casting_mode)
         # x (not y) and the per-row rstd are all the backward needs: nothing of size [rows, H] in fp32 is kept.
         ctx.save_for_backward(x, weight, rstd)
+        ctx.options = (offset, casting_mode, in_place)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rmsnorm_backward(dy, x, weight, rstd)
-        return dx, dw, None
+        dx, dw = rmsnorm_backward(dy, x, weight, rstd, *ctx.options)
+        return dx, dw, None, None, None, None
 
 
 # torch.compile cannot look inside a launcher (host Python that checks inputs, picks block sizes and launches a Triton
@@ -342,103 +443,137 @@ class RMSNormFunction(torch.autograd.Function):
 # the compiler traces with "fake" tensors that have no data, and register_autograd gives its backward, itself a custom
 # operator so that the backward graph can be traced too. Every kernel of this project lives in the "playbook"
 # namespace: torch.ops.playbook.rms_norm, torch.ops.playbook.swiglu, ...
+# The options are trailing arguments with defaults, so that a call without them reads as before. in_place has no
+# operator: under torch.compile the compiler plans the buffers itself, and an operator that overwrote its incoming
+# gradient would have to declare it mutated, which makes the compiler copy it wherever anything else still reads it.
 @torch.library.custom_op("playbook::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0,
+                 casting_mode: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """rmsnorm_forward as an operator: (y, rstd)."""
-    return rmsnorm_forward(x, weight, eps)
+    return rmsnorm_forward(x, weight, eps, offset, casting_mode)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps):
-    _validate(x, weight, eps)  # bad input fails while tracing, with the launcher's message
+def _(x, weight, eps, offset=0.0, casting_mode="llama"):
+    _validate(x, weight, eps, offset, casting_mode)  # bad input fails while tracing, with the launcher's message
     n_rows = math.prod(x.shape[:-1])
-    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting_mode), device=x.device)
     return y, torch.empty(n_rows, dtype=torch.float32, device=x.device)
 
 
+# An operator cannot return None (its schema has no optional outputs): without a weight, dw is an empty tensor.
 @torch.library.custom_op("playbook::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rmsnorm_backward as an operator: (dx, dw)."""
-    return rmsnorm_backward(dy, x, weight, rstd)
+def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
+                          offset: float = 0.0, casting_mode: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """rmsnorm_backward as an operator: (dx, dw), dw empty without a weight."""
+    dx, dw = rmsnorm_backward(dy, x, weight, rstd, offset, casting_mode)
+    return dx, x.new_empty(0) if dw is None else dw
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(weight.shape, dtype=weight.dtype,
-                                                                              device=weight.device)
+def _(dy, x, weight, rstd, offset=0.0, casting_mode="llama"):
+    dw = x.new_empty(0) if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, _, offset, casting_mode = inputs
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(x, weight, rstd)  # what RMSNormFunction saves
+    ctx.options = (offset, casting_mode)
 
 
 def _rms_norm_op_backward(ctx, dy, _):  # rstd, the second output, passes no gradient on
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.playbook.rms_norm_backward(dy, x, weight, rstd)
-    return dx, dw, None
+    dx, dw = torch.ops.playbook.rms_norm_backward(dy, x, weight, rstd, *ctx.options)
+    return dx, None if weight is None else dw, None, None, None
 
 
 _rms_norm_op.register_autograd(_rms_norm_op_backward, setup_context=_rms_norm_setup_context)
 
 
-def rms_norm(x, weight, eps=1e-6):
-    """RMSNorm of x over its last dimension with LlamaRMSNorm's math and cast order; differentiable, and traced by
-    torch.compile as the operator torch.ops.playbook.rms_norm."""
+def rms_norm(x, weight, eps=1e-6, offset=0.0, casting_mode="llama", in_place=False):
+    """RMSNorm of x over its last dimension, by default with LlamaRMSNorm's math and cast order; differentiable, and
+    traced by torch.compile as the operator torch.ops.playbook.rms_norm. weight may be None (no scaling). offset,
+    casting_mode ("llama", "gemma", "none") and in_place: see the module docstring; in_place is ignored under
+    torch.compile."""
     # Eager calls take the autograd.Function: a custom operator's dispatch costs more host time per call (41 against
     # 8 us for the same trivial op, measured on a 2-core CPU), which a host-bound training step would feel at 65 norms
     # forward and backward. Under torch.compile only the operator can be traced, and the compiled graph calls it
     # below autograd.
     if torch.compiler.is_compiling():
-        return torch.ops.playbook.rms_norm(x, weight, eps)[0]
-    return RMSNormFunction.apply(x, weight, eps)
+        return torch.ops.playbook.rms_norm(x, weight, eps, offset, casting_mode)[0]
+    return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, in_place)
 
 
 class TritonRMSNorm(torch.nn.Module):
-    """Drop-in replacement for transformers' LlamaRMSNorm, backed by the fused Triton kernels."""
+    """Drop-in replacement for transformers' LlamaRMSNorm (the defaults) and GemmaRMSNorm (offset=1.0,
+    casting_mode="gemma"), backed by the fused Triton kernels; the arguments are LigerRMSNorm's. The weight starts
+    at 1 - offset, so that offset + weight = 1: ones as LlamaRMSNorm's, zeros as GemmaRMSNorm's."""
 
-    def __init__(self, hidden_size, eps=1e-6):
+    def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", in_place=False,
+                 elementwise_affine=True):
         super().__init__()
         _check_eps("TritonRMSNorm", eps)
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
+        _check_options("TritonRMSNorm", offset, casting_mode)
+        self.hidden_size = hidden_size
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.full((hidden_size,), 1.0 - offset))
+        else:
+            self.register_parameter("weight", None)
+        self.variance_epsilon, self.offset, self.casting_mode, self.in_place = eps, offset, casting_mode, in_place
+
+    @classmethod
+    def _wrap(cls, who, expected, module, eps_names, **options):
+        """A TritonRMSNorm around module's own weight Parameter (the SAME object, not a copy: optimizer state,
+        state_dict keys and tied references keep pointing at the one tensor the rest of the program knows)."""
+        weight = getattr(module, "weight", None)
+        eps = next((getattr(module, name) for name in eps_names if hasattr(module, name)), None)
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or eps is None:
+            raise TypeError(f"{who}: {type(module).__name__} has no 1-D weight Parameter and epsilon; expected a "
+                            f"{expected}-like module")
+        _check_eps(who, eps)
+        new = cls(weight.shape[0], eps, elementwise_affine=False, **options)
+        new.weight = weight
+        return new
 
     @classmethod
     def from_llama_rmsnorm(cls, module):
-        """Wrap an existing LlamaRMSNorm, reusing the SAME weight Parameter object and its epsilon.
+        """Wrap an existing LlamaRMSNorm, reusing the SAME weight Parameter object and its epsilon."""
+        return cls._wrap("from_llama_rmsnorm", "LlamaRMSNorm", module, ("variance_epsilon", "eps"))
 
-        Reusing the Parameter (not a copy) keeps optimizer state, state_dict keys and tied references pointing at
-        the one tensor the rest of the program already knows."""
-        weight = getattr(module, "weight", None)
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or eps is None:
-            raise TypeError(f"from_llama_rmsnorm: {type(module).__name__} has no 1-D weight Parameter and epsilon; "
-                            f"expected a LlamaRMSNorm-like module")
-        _check_eps("from_llama_rmsnorm", eps)
-        new = cls.__new__(cls)
-        torch.nn.Module.__init__(new)
-        new.weight = weight
-        new.variance_epsilon = eps
-        return new
+    @classmethod
+    def from_gemma_rmsnorm(cls, module):
+        """Wrap an existing GemmaRMSNorm (or Gemma2's, Gemma3's: y = x_hat * (1 + w) in fp32), reusing the SAME
+        weight Parameter object and its epsilon."""
+        return cls._wrap("from_gemma_rmsnorm", "GemmaRMSNorm", module, ("eps",), offset=1.0, casting_mode="gemma")
 
     def forward(self, hidden_states):
-        if hidden_states.shape[-1] != self.weight.shape[0]:
-            raise ValueError(f"TritonRMSNorm was built for hidden size {self.weight.shape[0]} but got an input whose "
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"TritonRMSNorm was built for hidden size {self.hidden_size} but got an input whose "
                              f"last dimension is {hidden_states.shape[-1]}")
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode,
+                        self.in_place)
 
     def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        options = "" if self.weight is not None else ", elementwise_affine=False"
+        if (self.offset, self.casting_mode, self.in_place) != (0.0, "llama", False):
+            options += f", offset={self.offset}, casting_mode={self.casting_mode!r}, in_place={self.in_place}"
+        return f"({self.hidden_size},), eps={self.variance_epsilon}{options}"
+
+
+# RMSNorm classes of transformers whose math is GemmaRMSNorm's: fp32 throughout and a weight stored as w - 1.
+GEMMA_RMSNORM_CLASSES = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 
 
 def replace_rmsnorm(model, expected=None):
-    """Swap every *RMSNorm submodule of `model` (LlamaRMSNorm in LLaMA) for a TritonRMSNorm sharing its weight.
+    """Swap every *RMSNorm submodule of `model` (LlamaRMSNorm in LLaMA) for a TritonRMSNorm sharing its weight: with
+    Gemma's options for the classes in GEMMA_RMSNORM_CLASSES, with LlamaRMSNorm's math for any other.
 
     Modules are collected first and replaced afterwards: changing a module's children while iterating over
-    named_modules() would skip or revisit some. Returns how many were replaced (65 for Llama-3.1-8B: two per
+    named_modules() would skip or revisit some; and every replacement is built before any is installed, so a module
+    that cannot be wrapped leaves the model untouched. Returns how many were replaced (65 for Llama-3.1-8B: two per
     decoder layer plus the final norm). With `expected`, a different count raises ValueError before anything is
     replaced: a swap that silently misses modules (another architecture, a renamed class) is an error."""
     targets = [
@@ -447,11 +582,13 @@ def replace_rmsnorm(model, expected=None):
     ]
     if expected is not None and len(targets) != expected:
         raise ValueError(f"replace_rmsnorm: found {len(targets)} RMSNorm modules to replace, expected {expected}")
-    for name, module in targets:
+    replacements = [(name, TritonRMSNorm.from_gemma_rmsnorm(module) if type(module).__name__ in GEMMA_RMSNORM_CLASSES
+                     else TritonRMSNorm.from_llama_rmsnorm(module)) for name, module in targets]
+    for name, new in replacements:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, TritonRMSNorm.from_llama_rmsnorm(module))
-    return len(targets)
+        setattr(parent, child_name, new)
+    return len(replacements)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,16 @@ shared by all heads. Per half (x1 = x[..., :D/2], x2 = x[..., D/2:], likewise c1
     backward:  dx1  = g1 * c1 + g2 * s2             dx2  = g2 * c2 - g1 * s1          (g = upstream gradient)
 The whole expression runs in fp32 and is rounded once. cos and sin get no gradient (LLaMA computes them under no_grad).
 
+cos and sin may also be a 2-D [T, D] table, shared by every sequence of the batch (as vision RoPE passes it;
+Liger-Kernel's LigerRopeFunction takes it the same way): the launchers view it as [1, T, D], so the kernel is the same.
+transformers' own apply_rotary_pos_emb would broadcast such a table differently (cos.unsqueeze(1) is [T, 1, D], which
+lines the tokens up with q's heads axis), so for 2-D tables this is Liger's meaning, not a drop-in. An odd head_dim is
+refused: RoPE rotates pairs of columns (i, i + D/2), and with D odd one column has no partner. transformers has no
+meaning for it either (LlamaRotaryEmbedding then builds D + 1 cos columns, which do not broadcast against q), nor has
+Liger-Kernel (its kernel rotates halves of D // 2 columns and leaves the last column as it was). A model that rotates
+only part of each head (partial_rotary_factor) rotates an even-width slice and passes the rest through, as
+transformers' models do.
+
 Bytes it must move
 ------------------
 With N = B * T tokens and H = n_q_heads + n_kv_heads: the forward reads q, k, cos, sin and writes q_embed, k_embed;
@@ -33,7 +43,7 @@ Triton concepts introduced here (new relative to rmsnorm_kernel.py, which introd
 Limits
 ------
 q and k 4-D with the same batch and token count, head_dim even and the same in q, k, cos and sin; cos and sin
-broadcastable over batch and tokens; one dtype for all four (fp32, bf16, fp16), one device; unsqueeze_dim 1 or 2. A
+[B or 1, T or 1, D] or [T, D]; one dtype for all four (fp32, bf16, fp16), one device; unsqueeze_dim 1 or 2. A
 last dimension that is not contiguous is copied. Offsets are int64. Without a GPU the same kernel runs on Triton's CPU
 interpreter (slow: toy sizes).
 
@@ -228,12 +238,14 @@ def _validate(q, k, cos, sin, who):
         if t.dim() != 4:
             raise ValueError(f"{who}: {name} must be 4-D [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 3:
-            raise ValueError(f"{who}: {name} must be 3-D [batch or 1, tokens, head_dim], got shape {tuple(t.shape)}")
+        if t.dim() not in (2, 3):
+            raise ValueError(f"{who}: {name} must be 3-D [batch or 1, tokens, head_dim] or 2-D [tokens, head_dim], "
+                             f"got shape {tuple(t.shape)}")
     batch, _, n_tokens, head_dim = q.shape
     if head_dim == 0 or head_dim % 2:
-        raise ValueError(f"{who}: head_dim must be even and positive (rotate_half splits it in two halves), "
-                         f"got {head_dim}")
+        raise ValueError(f"{who}: head_dim must be even and positive, got {head_dim}: RoPE rotates column pairs "
+                         f"(i, i + head_dim/2), and an odd head_dim leaves one column without a partner (to rotate "
+                         f"part of a head, pass an even-width slice and concatenate the rest)")
     if k.shape[0] != batch or k.shape[2] != n_tokens:
         raise ValueError(f"{who}: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same batch (dim 0) and "
                          f"tokens (dim 2)")
@@ -242,7 +254,7 @@ def _validate(q, k, cos, sin, who):
             raise ValueError(f"{who}: head_dim mismatch: q has {head_dim}, {name} has {t.shape[-1]} "
                              f"(shape {tuple(t.shape)})")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape[0] not in (1, batch) or t.shape[1] not in (1, n_tokens):
+        if (t.dim() == 3 and t.shape[0] not in (1, batch)) or t.shape[-2] not in (1, n_tokens):
             raise ValueError(f"{who}: {name} of shape {tuple(t.shape)} does not broadcast to [batch, tokens, head_dim]"
                              f" = [{batch}, {n_tokens}, {head_dim}] (batch and tokens must match q's or be 1)")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -270,6 +282,11 @@ def _on_tensor_device(t):
 def _unit_column_stride(t):
     """t itself when its last dimension is contiguous in memory (LLaMA's transposed views are), else a copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _as_3d(t):
+    """A [T, D] cos/sin table as the [1, T, D] view the kernel reads (batch stride 0: shared by every sequence)."""
+    return t.unsqueeze(0) if t.dim() == 2 else t
 
 
 def _broadcast_strides(t):
@@ -326,10 +343,10 @@ def _launch(q, k, cos, sin, q_out, k_out, backward, block_t, block_heads):
 
 def rope_forward(q, k, cos, sin, *, block_t=None, block_heads=None):
     """(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, same for k), for q [B, Hq, T, D], k [B, Hkv, T, D],
-    cos/sin [B or 1, T, D]. The outputs keep q's and k's memory layout. Not differentiable (see
+    cos/sin [B or 1, T, D] or [T, D]. The outputs keep q's and k's memory layout. Not differentiable (see
     `apply_rotary_pos_emb`). block_t / block_heads: tile overrides for tests."""
     _validate(q, k, cos, sin, "rope_forward")
-    q, k, cos, sin = (_unit_column_stride(t) for t in (q, k, cos, sin))
+    q, k, cos, sin = (_unit_column_stride(t) for t in (q, k, _as_3d(cos), _as_3d(sin)))
     # empty_like keeps the strides of a dense tensor: LLaMA's transposed q gives a transposed q_embed, so attention
     # sees the same strides as in eager.
     q_embed, k_embed = torch.empty_like(q), torch.empty_like(k)
@@ -343,7 +360,7 @@ def rope_backward(dq_embed, dk_embed, cos, sin, *, block_t=None, block_heads=Non
     strided any way (attention's backward decides); a gradient whose last dimension is not contiguous is copied.
     block_t / block_heads: tile overrides for tests."""
     _validate(dq_embed, dk_embed, cos, sin, "rope_backward")
-    dq_embed, dk_embed, cos, sin = (_unit_column_stride(t) for t in (dq_embed, dk_embed, cos, sin))
+    dq_embed, dk_embed, cos, sin = (_unit_column_stride(t) for t in (dq_embed, dk_embed, _as_3d(cos), _as_3d(sin)))
     dq, dk = torch.empty_like(dq_embed), torch.empty_like(dk_embed)
     if dq_embed.shape[0] * dq_embed.shape[2] > 0:
         _launch(dq_embed, dk_embed, cos, sin, dq, dk, True, block_t, block_heads)
@@ -432,7 +449,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     torch.ops.playbook.rope.
 
     unsqueeze_dim=1 (LLaMA): q [B, Hq, T, D], k [B, Hkv, T, D]; unsqueeze_dim=2: q [B, T, Hq, D], k [B, T, Hkv, D]
-    (the same kernel on the transposed views). cos, sin: [B or 1, T, D] in q's dtype, not requiring grad."""
+    (the same kernel on the transposed views). cos, sin: [B or 1, T, D] in q's dtype, not requiring grad, or a
+    [T, D] table shared by the batch (Liger's meaning; see the module docstring)."""
     if torch.is_grad_enabled() and (getattr(cos, "requires_grad", False) or getattr(sin, "requires_grad", False)):
         raise ValueError("apply_rotary_pos_emb: the fused RoPE kernel computes no gradient for cos and sin, but they "
                          "require grad; compute them under torch.no_grad() (as LlamaRotaryEmbedding does) or detach "
@@ -501,7 +519,7 @@ def main(argv=None):
     if min(args.batch, args.tokens, args.q_heads, args.kv_heads) < 1:
         parser.error("need --batch, --tokens, --q-heads and --kv-heads >= 1")
     if args.head_dim < 2 or args.head_dim % 2:
-        parser.error(f"--head-dim must be even and positive (rotate_half splits it in two halves), got {args.head_dim}")
+        parser.error(f"--head-dim must be even and positive (RoPE rotates pairs of columns), got {args.head_dim}")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     B, T, D = args.batch, args.tokens, args.head_dim
 

@@ -13,6 +13,8 @@ computation rounded once, and, at LLaMA's shape on the GPU, to be no worse than 
 cos and sin come from transformers' own LlamaRotaryEmbedding (llama3 and yarn scaling, the latter multiplies them by
 1.14) at random positions, or, to check the general backward formula, from random angles whose two halves differ.
 q and k are the non-contiguous views LlamaAttention passes (`.view(B, T, heads, D).transpose(1, 2)`) or contiguous.
+A 2-D [T, D] cos/sin table gives the same bits as the [1, T, D] table it stands for (whose results are checked as
+above); an odd head_dim is refused with a message that says why.
 
 `python rope_test.py` runs these tests with pytest and prints a PASSED/FAILED line per check. Without a GPU the kernel
 runs on the CPU interpreter, so CPU shapes are small; the GPU-only tests use LLaMA-3.1-8B's attention shape.
@@ -206,6 +208,25 @@ def test_cos_sin_broadcast_over_tokens_and_laid_out_apart(dtype_name):
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_2d_cos_sin_table(unsqueeze_dim, dtype_name):
+    """A [T, D] cos/sin table (vision RoPE's; Liger's LigerRopeFunction takes it) is shared by every sequence: the same
+    bits as the [1, T, D] table, forward and backward, whose results test_forward_backward checks against float64.
+    transformers' own function would broadcast a 2-D table over the heads axis instead, so it is no reference here."""
+    seed_for("2d_cos_sin", unsqueeze_dim, dtype_name)
+    dtype = DTYPES[dtype_name]
+    q, k = make_qk(2, 4, 2, 7, 10, dtype, "llama")
+    if unsqueeze_dim == 2:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = general_cos_sin(1, 7, 10, dtype)
+    upstream = list(upstream_grads(q, k))
+    table_2d = run(apply_rotary_pos_emb, q, k, cos[0], sin[0], *upstream, unsqueeze_dim=unsqueeze_dim)
+    table_3d = run(apply_rotary_pos_emb, q, k, cos, sin, *upstream, unsqueeze_dim=unsqueeze_dim)
+    for what, a, b in zip(("q_embed", "k_embed", "dq", "dk"), table_2d, table_3d):
+        assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_unsqueeze_dim_2(dtype_name):
     """q, k as [B, T, heads, D] with unsqueeze_dim=2 (the layout before LLaMA's transpose)."""
     seed_for("unsqueeze2", dtype_name)
@@ -318,8 +339,9 @@ def _bad_inputs():
     return [
         ("q not 4-D", lambda: rope(q[0], k, cos, sin), ValueError, "q must be 4-D"),
         ("k not 4-D", lambda: rope(q, k[0], cos, sin), ValueError, "k must be 4-D"),
-        ("cos not 3-D", lambda: rope(q, k, cos[0], sin), ValueError, "cos must be 3-D"),
-        ("odd head_dim", lambda: rope(*qkcs(head_dim=7)), ValueError, "even"),
+        ("cos 1-D", lambda: rope(q, k, cos[0, 0], sin), ValueError, "cos must be 3-D .* or 2-D"),
+        ("cos 2-D tokens mismatch", lambda: rope(q, k, cos[0, :4], sin[0, :4]), ValueError, "does not broadcast"),
+        ("odd head_dim", lambda: rope(*qkcs(head_dim=7)), ValueError, "even .* one column without a partner"),
         ("head_dim 0", lambda: rope(*qkcs(head_dim=0)), ValueError, "even and positive"),
         ("head_dim mismatch k", lambda: rope(q, qkcs(head_dim=6)[1], cos, sin), ValueError, "head_dim mismatch"),
         ("head_dim mismatch cos", lambda: rope(q, k, cos[..., :6], sin), ValueError, "head_dim mismatch"),

@@ -10,6 +10,16 @@ matmuls (they stay in cuBLAS); between them sits elementwise work on [tokens, in
                dgate = dy * up * silu'(gate),   silu'(g) = s * (1 + g * (1 - s)),  s = sigmoid(g)
 The backward recomputes silu from gate instead of saving it; TritonLlamaMLP swaps it into a transformers model.
 
+Options (compile-time constants of the kernels: the default SwiGLU compiles to the same machine code as without them)
+--------------------------------------------------------------------------------------------------------------------
+- GeGLU (`geglu`, TritonGemmaMLP for Gemma's MLP): the same kernels with the tanh approximation of GELU as the gate's
+  activation (transformers' "gelu_pytorch_tanh"): gelu(g) = 0.5 * g * (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3).
+  Since 1 + tanh(z) = 2 sigmoid(2z), both activations are g * sigmoid(s): s = g for silu, s = 2z for GELU, and
+      act'(g) = sigmoid(s) * (1 + g * (1 - sigmoid(s)) * s'(g)),  s' = 1 (silu),  s' = 2 sqrt(2/pi) (1 + 0.134145 g^2)
+- gate_multiplier (Falcon-H1, Liger's name): out = act(round(gate * gate_multiplier)) * up, and dgate gains the
+  factor. Falcon-H1 also multiplies the MLP's output, down_proj(out), by a down_multiplier: one scalar on the module's
+  output, done in plain torch by TritonLlamaMLP (a Linear with a bias would not commute with it, so it stays there).
+
 Bytes it must move
 ------------------
 With N = tokens * intermediate elements: the forward reads gate and up and writes out (3 N), the backward reads gate,
@@ -26,6 +36,8 @@ Triton concepts introduced here (new relative to rmsnorm_kernel.py, which introd
 - A backward that writes its outputs over its inputs (in place): each program loads its whole tile before it stores
   to the same addresses, and no other program touches that tile.
 - Elementwise math in fp32 between 16-bit loads and stores, with an extra rounding where the model has one.
+- String and float tl.constexpr arguments (ACTIVATION, GATE_MULTIPLIER): an `if` on them is decided while compiling,
+  and each value used compiles its own kernel once.
 
 Limits
 ------
@@ -77,7 +89,19 @@ def _round_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-__all__ = ["swiglu_forward", "swiglu_backward", "SwiGLUFunction", "swiglu", "TritonLlamaMLP", "replace_llama_mlp"]
+__all__ = ["ACTIVATIONS", "swiglu_forward", "swiglu_backward", "geglu_forward", "geglu_backward", "SwiGLUFunction",
+           "swiglu", "geglu", "TritonLlamaMLP", "TritonGemmaMLP", "replace_llama_mlp", "replace_gemma_mlp"]
+
+
+@triton.jit
+def _sigmoid_argument(g, ACTIVATION: tl.constexpr):
+    """s(g) in act(g) = g * sigmoid(s(g)): g itself for silu; 2 z = 2 sqrt(2/pi) (g + 0.044715 g^3) for the tanh GELU.
+    Written with sigmoid, the GELU needs no tanh, and 1 + tanh(z) loses no digits to cancellation where tanh is
+    near -1 (very negative g)."""
+    if ACTIVATION == "gelu_tanh":
+        return 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 * sqrt(2 / pi) = 1.5957691216...
+    else:
+        return g
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -106,6 +130,8 @@ def _swiglu_forward_kernel(
     n_cols,           # the intermediate size
     BLOCK_ROWS: tl.constexpr,  # rows per tile (a power of two)
     BLOCK_COLS: tl.constexpr,  # columns per tile (a power of two)
+    ACTIVATION: tl.constexpr,       # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    GATE_MULTIPLIER: tl.constexpr,  # gate scaled before the activation (Falcon-H1); 1.0: no scaling
 ):
     # Axis 0 of the grid picks the block of rows, axis 1 the block of columns.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -118,10 +144,14 @@ def _swiglu_forward_kernel(
     # Load in the storage dtype and compute in fp32 (bf16 has only 8 bits of mantissa).
     g = tl.load(gate_ptr + rows64 * gate_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows64 * up_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATE_MULTIPLIER != 1.0:
+        # Falcon-H1 scales gate_proj's output, a tensor of the model dtype, before the activation: round it as that
+        # tensor is rounded.
+        g = _round_to(g * GATE_MULTIPLIER, out_ptr.dtype.element_ty).to(tl.float32)
 
-    # silu(g) = g / (1 + exp(-g)), the same formula PyTorch uses. For very negative g, exp(-g) = inf and the
-    # result is -0.0, which is the correct limit.
-    act = g / (1.0 + tl.exp(-g))
+    # silu(g) = g / (1 + exp(-g)), the same formula PyTorch uses; the GELU has the same form (_sigmoid_argument). For
+    # very negative g, exp(-s) = inf and the result is -0.0, which is the correct limit.
+    act = g / (1.0 + tl.exp(-_sigmoid_argument(g, ACTIVATION)))
     # Round silu to the tensor dtype first, as F.silu does (it returns a bf16 tensor), then multiply and round again.
     # For fp32 inputs both casts are no-ops.
     act = _round_to(act, out_ptr.dtype.element_ty).to(tl.float32)
@@ -149,6 +179,8 @@ def _swiglu_backward_kernel(
     n_cols,            # the intermediate size
     BLOCK_ROWS: tl.constexpr,  # rows per tile
     BLOCK_COLS: tl.constexpr,  # columns per tile
+    ACTIVATION: tl.constexpr,       # as in the forward
+    GATE_MULTIPLIER: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -158,9 +190,12 @@ def _swiglu_backward_kernel(
     g = tl.load(gate_ptr + rows64 * gate_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows64 * up_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATE_MULTIPLIER != 1.0:
+        g = _round_to(g * GATE_MULTIPLIER, dgate_ptr.dtype.element_ty).to(tl.float32)  # the forward's scaled gate
 
     # Recompute instead of saving: sigmoid and silu cost a few instructions, a saved tensor costs HBM traffic.
-    one_plus_exp = 1.0 + tl.exp(-g)
+    s = _sigmoid_argument(g, ACTIVATION)
+    one_plus_exp = 1.0 + tl.exp(-s)
     sig = 1.0 / one_plus_exp
     # d(out)/d(up) is the silu value the forward actually used: the forward's expression, bit for bit, rounded to
     # the tensor dtype (g * sig could differ from g / (1 + exp(-g)) in the last fp32 bit and round differently).
@@ -168,7 +203,18 @@ def _swiglu_backward_kernel(
     dup = dy * act
     # d(out)/d(gate) = up * silu'(g), silu'(g) = s + g * s * (1 - s) = s * (1 + g * (1 - s)); kept in fp32 until
     # the single final rounding.
-    dgate = dy * u * sig * (1.0 + g * (1.0 - sig))
+    if ACTIVATION == "gelu_tanh":
+        # The same with the GELU's slope s'(g). 1 - sigmoid(s) is computed as sigmoid(-s): 1 - sig cancels where sig
+        # is near 1, and g * s' (10 to 35 for g between 3 and 5) would magnify the lost digits (one exp more costs
+        # nothing in a kernel that waits on memory). Beyond |g| = 20 the sigmoid is exactly 0 or 1 in fp32 and the term in g vanishes:
+        # clamping g there changes nothing, except that g * s' cannot overflow to inf (0 * inf would be NaN).
+        g_clamped = tl.minimum(tl.maximum(g, -20.0), 20.0)
+        slope = 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * g_clamped * g_clamped)
+        dgate = dy * u * sig * (1.0 + g_clamped * (1.0 / (1.0 + tl.exp(s))) * slope)
+    else:
+        dgate = dy * u * sig * (1.0 + g * (1.0 - sig))
+    if GATE_MULTIPLIER != 1.0:
+        dgate = dgate * GATE_MULTIPLIER  # the chain rule through gate * multiplier
 
     tl.store(dgate_ptr + rows64 * dgate_row_stride + cols[None, :], _round_to(dgate, dgate_ptr.dtype.element_ty),
              mask=mask)
@@ -232,10 +278,27 @@ def _launch_config(n_rows, n_cols, block_size, block_rows):
     return grid, block_rows, block_cols, num_warps
 
 
-def swiglu_forward(gate, up, *, block_size=None, block_rows=None):
-    """out = round(round(silu(gate)) * up), same shape and dtype as gate. Not differentiable (see `swiglu`).
-    block_size / block_rows: tile overrides for tests."""
-    _check_pair(gate, up, "swiglu_forward")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU's and GeGLU's
+_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}
+
+
+def _check_multiplier(who, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{who}: {name} must be a float, got {type(value).__name__}")
+    if not -float("inf") < value < float("inf"):  # also False for NaN
+        raise ValueError(f"{who}: {name} must be a finite number, got {value}")
+
+
+def _check_options(who, activation, gate_multiplier):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{who}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    _check_multiplier(who, "gate_multiplier", gate_multiplier)
+
+
+def _glu_forward(who, gate, up, activation, gate_multiplier, block_size, block_rows):
+    """The forward launcher behind swiglu_forward and geglu_forward."""
+    _check_pair(gate, up, who)
+    _check_options(who, activation, gate_multiplier)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # contiguous, whatever gate's layout
     if gate.numel() == 0:
         return out
@@ -247,24 +310,23 @@ def swiglu_forward(gate, up, *, block_size=None, block_rows=None):
             gate2d, up2d, out2d,
             gate2d.stride(0), up2d.stride(0), out2d.stride(0),
             n_rows, n_cols,
-            BLOCK_ROWS=block_r, BLOCK_COLS=block_c, num_warps=warps,
+            BLOCK_ROWS=block_r, BLOCK_COLS=block_c,
+            # A float multiplier, so that 1 and 1.0 are the same compiled kernel.
+            ACTIVATION=activation, GATE_MULTIPLIER=float(gate_multiplier),
+            num_warps=warps,
         )
     return out
 
 
-def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=None):
-    """(dgate, dup) for out = silu(gate) * up, in gate's dtype.
-
-    By default in fresh contiguous buffers (the inputs are untouched, so anything else still holding gate or up stays
-    valid). inplace=True writes dgate over gate and dup over up when both are contiguous and in separate storages,
-    so the backward allocates nothing: for a caller whose gate and up are private intermediates, dead after this
-    backward (TritonLlamaMLP's). block_size / block_rows: tile overrides for tests."""
-    _check_pair(gate, up, "swiglu_backward")
+def _glu_backward(who, gate, up, dy, activation, gate_multiplier, inplace, block_size, block_rows):
+    """The backward launcher behind swiglu_backward and geglu_backward."""
+    _check_pair(gate, up, who)
+    _check_options(who, activation, gate_multiplier)
     if not isinstance(dy, torch.Tensor) or dy.shape != gate.shape:
         got = tuple(dy.shape) if isinstance(dy, torch.Tensor) else type(dy).__name__
-        raise ValueError(f"swiglu_backward: dy must be a tensor of shape {tuple(gate.shape)}, got {got}")
+        raise ValueError(f"{who}: dy must be a tensor of shape {tuple(gate.shape)}, got {got}")
     if dy.dtype != gate.dtype or dy.device != gate.device:
-        raise TypeError(f"swiglu_backward: dy must be {gate.dtype} on {gate.device}, got {dy.dtype} on {dy.device}")
+        raise TypeError(f"{who}: dy must be {gate.dtype} on {gate.device}, got {dy.dtype} on {dy.device}")
     # In place only into two contiguous tensors of separate storages (dgate and dup must not collide). The storage
     # lookups run only when asked for in-place: the default path is a hot path too.
     if (inplace and gate.is_contiguous() and up.is_contiguous()
@@ -284,41 +346,75 @@ def swiglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=
             gate2d, up2d, dy2d, dgate2d, dup2d,
             gate2d.stride(0), up2d.stride(0), dy2d.stride(0), dgate2d.stride(0), dup2d.stride(0),
             n_rows, n_cols,
-            BLOCK_ROWS=block_r, BLOCK_COLS=block_c, num_warps=warps,
+            BLOCK_ROWS=block_r, BLOCK_COLS=block_c, ACTIVATION=activation, GATE_MULTIPLIER=float(gate_multiplier),
+            num_warps=warps,
         )
     return dgate, dup
+
+
+def swiglu_forward(gate, up, *, gate_multiplier=1.0, block_size=None, block_rows=None):
+    """out = round(round(silu(gate)) * up), same shape and dtype as gate; with gate_multiplier m, silu's argument is
+    round(gate * m). Not differentiable (see `swiglu`). block_size / block_rows: tile overrides for tests."""
+    return _glu_forward("swiglu_forward", gate, up, "silu", gate_multiplier, block_size, block_rows)
+
+
+def swiglu_backward(gate, up, dy, *, gate_multiplier=1.0, inplace=False, block_size=None, block_rows=None):
+    """(dgate, dup) for out = silu(gate) * up (gate scaled by gate_multiplier first), in gate's dtype.
+
+    By default in fresh contiguous buffers (the inputs are untouched, so anything else still holding gate or up stays
+    valid). inplace=True writes dgate over gate and dup over up when both are contiguous and in separate storages,
+    so the backward allocates nothing: for a caller whose gate and up are private intermediates, dead after this
+    backward (TritonLlamaMLP's). block_size / block_rows: tile overrides for tests."""
+    return _glu_backward("swiglu_backward", gate, up, dy, "silu", gate_multiplier, inplace, block_size, block_rows)
+
+
+def geglu_forward(gate, up, *, block_size=None, block_rows=None):
+    """out = round(round(gelu_tanh(gate)) * up), as swiglu_forward with the tanh GELU for silu."""
+    return _glu_forward("geglu_forward", gate, up, "gelu_tanh", 1.0, block_size, block_rows)
+
+
+def geglu_backward(gate, up, dy, *, inplace=False, block_size=None, block_rows=None):
+    """(dgate, dup) for out = gelu_tanh(gate) * up; the options as swiglu_backward's."""
+    return _glu_backward("geglu_backward", gate, up, dy, "gelu_tanh", 1.0, inplace, block_size, block_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # 3. Autograd Function, custom operators (torch.compile), functional API, module, model patching
 # ----------------------------------------------------------------------------------------------------------------------
 class SwiGLUFunction(torch.autograd.Function):
+    """SwiGLUFunction.apply(gate, up, inplace_backward, gate_multiplier=1.0, activation="silu"); activation
+    "gelu_tanh" makes it GeGLU, computed by the same kernels."""
+
     @staticmethod
-    def forward(ctx, gate, up, inplace_backward):
-        out = swiglu_forward(gate, up)
+    def forward(ctx, gate, up, inplace_backward, gate_multiplier=1.0, activation="silu"):
+        out = _glu_forward(_NAMES.get(activation, "swiglu"), gate, up, activation, gate_multiplier, None, None)
         # Eager autograd saves gate (for silu's backward) AND silu(gate) and up (for the product's backward): three
         # [tokens, intermediate] tensors per layer. Saving only gate and up and recomputing silu in the backward costs
         # a few instructions per element and saves one tensor per layer: 8192 tokens x 14336 x 2 bytes = 235 MB per
         # layer, 7.5 GB over LLaMA-3.1-8B's 32 layers.
         ctx.save_for_backward(gate, up)
         ctx.inplace_backward = inplace_backward
+        ctx.options = (activation, gate_multiplier)
         ctx.backward_done = False
         return out
 
     @staticmethod
     def backward(ctx, dy):
+        activation, gate_multiplier = ctx.options
         if ctx.inplace_backward and ctx.backward_done:
-            raise RuntimeError("swiglu(inplace_backward=True) overwrote its saved gate and up with their gradients in "
-                               "the first backward; recompute the forward instead of using retain_graph=True")
+            raise RuntimeError(f"{_NAMES[activation]}(inplace_backward=True) overwrote its saved gate and up with "
+                               f"their gradients in the first backward; recompute the forward instead of using "
+                               f"retain_graph=True")
         gate, up = ctx.saved_tensors
-        dgate, dup = swiglu_backward(gate, up, dy, inplace=ctx.inplace_backward)
+        dgate, dup = _glu_backward(f"{_NAMES[activation]}_backward", gate, up, dy, activation, gate_multiplier,
+                                   ctx.inplace_backward, None, None)
         ctx.backward_done = True
         if dgate is gate:
             # The saved tensors now hold gradients: bump their version counters, so that anything else that saved
             # them for its own backward fails loudly instead of reading gradients as activations.
             torch.autograd.graph.increment_version(gate)
             torch.autograd.graph.increment_version(up)
-        return dgate, dup, None
+        return dgate, dup, None, None, None
 
 
 # torch.compile cannot look inside a launcher, so the kernels become custom operators, opaque nodes of the graph (see
@@ -327,49 +423,55 @@ class SwiGLUFunction(torch.autograd.Function):
 # (mutates_args=("gate", "up")), so the compiler knows: where anything else still reads gate or up it hands the
 # operator copies, and where nothing does, as with a backward's saved activations under inductor, the kernel
 # overwrites the activations themselves.
+# The options are trailing arguments with defaults, so that a call without them reads as before; GeGLU is the same
+# operators with activation="gelu_tanh".
 @torch.library.custom_op("playbook::swiglu", mutates_args=())
-def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
-    """swiglu_forward as an operator; inplace_backward only picks the backward operator (see _swiglu_setup_context)."""
-    return swiglu_forward(gate, up)
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool, gate_multiplier: float = 1.0,
+               activation: str = "silu") -> torch.Tensor:
+    """The forward as an operator; inplace_backward only picks the backward operator (see _swiglu_setup_context)."""
+    return _glu_forward("swiglu", gate, up, activation, gate_multiplier, None, None)
 
 
 @_swiglu_op.register_fake
-def _(gate, up, inplace_backward):
+def _(gate, up, inplace_backward, gate_multiplier=1.0, activation="silu"):
     _check_pair(gate, up, "swiglu")  # bad input fails while tracing, with the launcher's message
+    _check_options("swiglu", activation, gate_multiplier)
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
 @torch.library.custom_op("playbook::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(gate: torch.Tensor, up: torch.Tensor,
-                        dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """swiglu_backward into fresh buffers, as an operator: (dgate, dup)."""
-    return swiglu_backward(gate, up, dy)
+def _swiglu_backward_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, gate_multiplier: float = 1.0,
+                        activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward into fresh buffers, as an operator: (dgate, dup)."""
+    return _glu_backward("swiglu_backward", gate, up, dy, activation, gate_multiplier, False, None, None)
 
 
 @_swiglu_backward_op.register_fake
-def _(gate, up, dy):
+def _(gate, up, dy, gate_multiplier=1.0, activation="silu"):
     return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
             torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
 
 
 @torch.library.custom_op("playbook::swiglu_backward_", mutates_args=("gate", "up"))
-def _swiglu_backward_inplace_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> None:
+def _swiglu_backward_inplace_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, gate_multiplier: float = 1.0,
+                                activation: str = "silu") -> None:
     """dgate written over gate and dup over up, as an operator (the trailing underscore: in place, as in torch)."""
-    dgate, dup = swiglu_backward(gate, up, dy, inplace=True)
+    dgate, dup = _glu_backward("swiglu_backward_", gate, up, dy, activation, gate_multiplier, True, None, None)
     if dgate is not gate:  # the launcher wrote fresh buffers (gate or up not contiguous, or one storage): copy back
         gate.copy_(dgate)
         up.copy_(dup)
 
 
 @_swiglu_backward_inplace_op.register_fake
-def _(gate, up, dy):
+def _(gate, up, dy, gate_multiplier=1.0, activation="silu"):
     return None
 
 
 def _swiglu_setup_context(ctx, inputs, output):
-    gate, up, inplace_backward = inputs
+    gate, up, inplace_backward, gate_multiplier, activation = inputs
     ctx.save_for_backward(gate, up)  # what SwiGLUFunction saves
     ctx.inplace_backward = inplace_backward
+    ctx.options = (gate_multiplier, activation)
 
 
 def _swiglu_op_backward(ctx, dy):
@@ -377,16 +479,25 @@ def _swiglu_op_backward(ctx, dy):
     if ctx.inplace_backward:
         # A second backward through this graph fails on the saved tensors' version counters, which the in-place
         # operator bumps: they now hold gradients.
-        torch.ops.playbook.swiglu_backward_(gate, up, dy)
-        return gate, up, None
-    dgate, dup = torch.ops.playbook.swiglu_backward(gate, up, dy)
-    return dgate, dup, None
+        torch.ops.playbook.swiglu_backward_(gate, up, dy, *ctx.options)
+        return gate, up, None, None, None
+    dgate, dup = torch.ops.playbook.swiglu_backward(gate, up, dy, *ctx.options)
+    return dgate, dup, None, None, None
 
 
 _swiglu_op.register_autograd(_swiglu_op_backward, setup_context=_swiglu_setup_context)
 
 
-def swiglu(gate, up, inplace_backward=False):
+def _glu(gate, up, activation, gate_multiplier, inplace_backward):
+    """act(gate) * up, differentiable: the autograd.Function eagerly, the custom operator under torch.compile."""
+    # Eager calls take the autograd.Function, whose dispatch costs tens of microseconds less host time per call than a
+    # custom operator's (see rms_norm in rmsnorm_kernel.py); under torch.compile only the operator can be traced.
+    if torch.compiler.is_compiling():
+        return torch.ops.playbook.swiglu(gate, up, inplace_backward, gate_multiplier, activation)
+    return SwiGLUFunction.apply(gate, up, inplace_backward, gate_multiplier, activation)
+
+
+def swiglu(gate, up, inplace_backward=False, gate_multiplier=1.0):
     """silu(gate) * up with transformers' LlamaMLP cast order, differentiable, and traced by torch.compile as the
     operator torch.ops.playbook.swiglu. gate, up: [..., intermediate] of the same shape, dtype
     (float32/bfloat16/float16) and device; rows may be strided (e.g. halves of a fused gate_up projection). Returns a
@@ -395,43 +506,57 @@ def swiglu(gate, up, inplace_backward=False):
     inplace_backward=True lets the backward write the gradients over gate and up (contiguous ones): two
     [tokens, intermediate] buffers less at the start of each MLP's backward. Contract: gate and up are not used after
     the backward (true of the projections' outputs inside an MLP), and the graph is not backpropagated twice. Under
-    torch.compile the compiler enforces the first part itself (see the custom operators above)."""
-    # Eager calls take the autograd.Function, whose dispatch costs tens of microseconds less host time per call than a
-    # custom operator's (see rms_norm in rmsnorm_kernel.py); under torch.compile only the operator can be traced.
-    if torch.compiler.is_compiling():
-        return torch.ops.playbook.swiglu(gate, up, inplace_backward)
-    return SwiGLUFunction.apply(gate, up, inplace_backward)
+    torch.compile the compiler enforces the first part itself (see the custom operators above).
+
+    gate_multiplier (Falcon-H1): silu(round(gate * gate_multiplier)) * up, the gradient of gate included."""
+    return _glu(gate, up, "silu", gate_multiplier, inplace_backward)
 
 
-_SILU_CLASS_NAMES = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"] and ACT2FN["swish"] (= nn.SiLU)
+def geglu(gate, up, inplace_backward=False):
+    """gelu_tanh(gate) * up (GemmaMLP's middle, transformers' "gelu_pytorch_tanh"), with the same cast order,
+    layouts, in-place contract and torch.compile operator as `swiglu`."""
+    return _glu(gate, up, "gelu_tanh", 1.0, inplace_backward)
 
 
-class TritonLlamaMLP(torch.nn.Module):
-    """down_proj(swiglu(gate_proj(x), up_proj(x))): LlamaMLP with the elementwise middle fused; the three Linear
-    layers (cuBLAS matmuls) and their parameter names are the same as LlamaMLP's."""
+class _TritonGatedMLP(torch.nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)) with the elementwise middle fused; the three Linear layers (cuBLAS
+    matmuls) and their parameter names are the same as transformers' MLP's. Falcon-H1's multipliers: the gate is
+    scaled inside the kernel, and the output by one torch multiply (it must follow down_proj's bias, as in
+    FalconH1MLP). Subclasses fix the activation and the transformers classes they replace."""
 
-    def __init__(self, hidden_size, intermediate_size, bias=False, device=None, dtype=None):
+    ACTIVATION = None
+    ACT_CLASS_NAMES = ()  # class names of the act_fn a wrapped transformers MLP must have
+    HIDDEN_ACT = None     # the config.hidden_act value that gives that act_fn
+
+    def __init__(self, hidden_size, intermediate_size, bias=False, device=None, dtype=None, gate_multiplier=1.0,
+                 down_multiplier=1.0):
         super().__init__()
+        for name, value in (("gate_multiplier", gate_multiplier), ("down_multiplier", down_multiplier)):
+            _check_multiplier(type(self).__name__, name, value)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
         self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
 
     @classmethod
-    def from_llama_mlp(cls, mlp):
-        """Wrap an existing LlamaMLP, REUSING its gate_proj/up_proj/down_proj modules (the same Parameter objects),
-        so optimizer state, state_dict keys and tied references stay valid."""
+    def _wrap(cls, who, expected, mlp):
+        """A module of this class around mlp's OWN gate_proj/up_proj/down_proj modules (the same Parameter objects),
+        so optimizer state, state_dict keys and tied references stay valid; mlp's gate_multiplier and
+        down_multiplier (FalconH1MLP's attributes) are kept where it has them."""
         for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
             if not hasattr(mlp, name):
-                raise TypeError(f"from_llama_mlp: {type(mlp).__name__} has no '{name}'; expected a LlamaMLP")
+                raise TypeError(f"{who}: {type(mlp).__name__} has no '{name}'; expected a {expected}")
         act_name = type(mlp.act_fn).__name__
-        if act_name not in _SILU_CLASS_NAMES and mlp.act_fn is not torch.nn.functional.silu:
-            raise ValueError(f"from_llama_mlp: the fused kernel computes silu(gate) * up, but this MLP's act_fn is "
-                             f"{act_name} (config.hidden_act must be 'silu')")
+        if not (act_name in cls.ACT_CLASS_NAMES or cls.ACTIVATION == "silu" and mlp.act_fn is torch.nn.functional.silu):
+            raise ValueError(f"{who}: the fused kernel computes {cls.ACTIVATION}(gate) * up, but this MLP's act_fn is "
+                             f"{act_name} (config.hidden_act must be '{cls.HIDDEN_ACT}')")
         gate_proj = mlp.gate_proj
         # Build the shell on the meta device (no memory), then put the original Linear modules in place.
-        new = cls(gate_proj.in_features, gate_proj.out_features, bias=gate_proj.bias is not None, device="meta")
+        new = cls(gate_proj.in_features, gate_proj.out_features, bias=gate_proj.bias is not None, device="meta",
+                  gate_multiplier=getattr(mlp, "gate_multiplier", 1.0),
+                  down_multiplier=getattr(mlp, "down_multiplier", 1.0))
         new.gate_proj, new.up_proj, new.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         new.train(mlp.training)
         return new
@@ -440,29 +565,75 @@ class TritonLlamaMLP(torch.nn.Module):
         # gate_proj(x) and up_proj(x) exist only here, so the backward may overwrite them with their gradients: it
         # then allocates nothing, two [tokens, intermediate] tensors fewer at the moment the backward of the first MLP
         # starts, when every layer's activations are still alive (470 MB at 8192 tokens of LLaMA-3.1-8B in bf16).
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+        out = self.down_proj(_glu(self.gate_proj(x), self.up_proj(x), self.ACTIVATION, self.gate_multiplier,
+                                  inplace_backward=True))
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
+
+    def extra_repr(self):
+        if (self.gate_multiplier, self.down_multiplier) == (1.0, 1.0):
+            return ""
+        return f"gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}"
 
 
-def _is_llama_mlp(module):
-    # isinstance(module, LlamaMLP) without importing transformers here: match the class or any base by name.
-    return any(cls.__name__ == "LlamaMLP" for cls in type(module).__mro__)
+class TritonLlamaMLP(_TritonGatedMLP):
+    """down_proj(swiglu(gate_proj(x), up_proj(x))): LlamaMLP (and FalconH1MLP, with its multipliers) with the
+    elementwise middle fused."""
+
+    ACTIVATION = "silu"
+    ACT_CLASS_NAMES = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"] and ACT2FN["swish"] (= nn.SiLU)
+    HIDDEN_ACT = "silu"
+
+    @classmethod
+    def from_llama_mlp(cls, mlp):
+        """Wrap an existing LlamaMLP (or an MLP of its form: FalconH1MLP, whose multipliers are kept), REUSING its
+        gate_proj/up_proj/down_proj modules."""
+        return cls._wrap("from_llama_mlp", "LlamaMLP", mlp)
 
 
-def replace_llama_mlp(model, expected=None):
-    """Swap every LlamaMLP inside model for a TritonLlamaMLP that reuses its Linear layers; returns how many.
-    All targets are collected first (replacing while iterating named_modules would mutate what we iterate) and all
-    replacements are built before any is installed, so an unsupported MLP leaves the model untouched. With
-    `expected`, a different count raises ValueError before anything is replaced."""
-    targets = [(name, module) for name, module in model.named_modules() if _is_llama_mlp(module)]
+class TritonGemmaMLP(_TritonGatedMLP):
+    """down_proj(geglu(gate_proj(x), up_proj(x))): GemmaMLP (Gemma, Gemma2, Gemma3: the tanh GELU) with the
+    elementwise middle fused."""
+
+    ACTIVATION = "gelu_tanh"
+    ACT_CLASS_NAMES = ("GELUTanh", "PytorchGELUTanh")  # transformers' ACT2FN["gelu_pytorch_tanh"], new and old name
+    HIDDEN_ACT = "gelu_pytorch_tanh"
+
+    @classmethod
+    def from_gemma_mlp(cls, mlp):
+        """Wrap an existing GemmaMLP (or Gemma2MLP, Gemma3MLP), REUSING its gate_proj/up_proj/down_proj modules."""
+        return cls._wrap("from_gemma_mlp", "GemmaMLP", mlp)
+
+
+def _replace_mlps(who, model, expected, class_names, wrap):
+    """Swap every module of model whose class (or a base class: no transformers import needed) is named in
+    class_names for wrap(module); returns how many. All targets are collected first (replacing while iterating
+    named_modules would mutate what we iterate) and all replacements are built before any is installed, so an
+    unsupported MLP leaves the model untouched. With `expected`, a different count raises ValueError before anything
+    is replaced."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if any(cls.__name__ in class_names for cls in type(module).__mro__)]
     if expected is not None and len(targets) != expected:
-        raise ValueError(f"replace_llama_mlp: found {len(targets)} LlamaMLP modules to replace, expected {expected}")
+        raise ValueError(f"{who}: found {len(targets)} {class_names[0]} modules to replace, expected {expected}")
     if any(name == "" for name, _ in targets):
-        raise ValueError("replace_llama_mlp: the model itself is a LlamaMLP; use TritonLlamaMLP.from_llama_mlp(mlp)")
-    replacements = [(name, TritonLlamaMLP.from_llama_mlp(module)) for name, module in targets]
+        raise ValueError(f"{who}: the model itself is a {class_names[0]}; wrap it with {wrap.__qualname__}(mlp)")
+    replacements = [(name, wrap(module)) for name, module in targets]
     for name, new in replacements:
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, new)
     return len(replacements)
+
+
+def replace_llama_mlp(model, expected=None):
+    """Swap every LlamaMLP inside model for a TritonLlamaMLP that reuses its Linear layers; returns how many (see
+    _replace_mlps)."""
+    return _replace_mlps("replace_llama_mlp", model, expected, ("LlamaMLP",), TritonLlamaMLP.from_llama_mlp)
+
+
+def replace_gemma_mlp(model, expected=None):
+    """Swap every GemmaMLP (Gemma2MLP, Gemma3MLP) inside model for a TritonGemmaMLP that reuses its Linear layers;
+    returns how many (see _replace_mlps)."""
+    return _replace_mlps("replace_gemma_mlp", model, expected, ("GemmaMLP", "Gemma2MLP", "Gemma3MLP"),
+                         TritonGemmaMLP.from_gemma_mlp)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Correctness tests for swiglu_kernel.py: the fused silu(gate) * up forward and its backward, and the LlamaMLP swap.
+"""Correctness tests for swiglu_kernel.py: the fused silu(gate) * up forward and its backward, and the LlamaMLP swap;
+GeGLU (the tanh GELU for silu) and Falcon-H1's gate multiplier in the same kernels, and the GemmaMLP swap.
 
 How a result is judged: every check builds a float64 reference from the SAME rounded inputs the kernel sees, measures
 PyTorch's own error in the kernel's dtype (eager `F.silu(gate) * up` and its autograd backward, i.e. what transformers
@@ -9,11 +10,17 @@ wrongly-formulated result fails). The forward, dgate and dup are all checked. Th
 the CPU interpreter (the kernels round bf16 to nearest on both), and out and dup must equal eager's bit for bit except
 for rare last-bit differences, which only transformers' cast order gives.
 
+GeGLU and the gate multiplier are held to the same rule (against F.gelu(approximate="tanh") and act(gate * m) in float64
+and in the kernel's dtype), each in fp32, bf16 and fp16, and to the same bits (transformers' GemmaMLP and FalconH1MLP
+round the activation, and FalconH1MLP the scaled gate, to the dtype). TritonGemmaMLP and TritonLlamaMLP around a
+FalconH1MLP are checked against transformers' modules with random weights.
+
 `python swiglu_test.py` runs these tests with pytest and prints a PASSED/FAILED line per check. Without a GPU the
 kernels run on the CPU interpreter, so CPU shapes are small; the GPU-only tests use LLaMA-3.1-8B's MLP shape.
 """
 import argparse
 import copy
+import math
 import sys
 import zlib
 
@@ -22,11 +29,26 @@ import torch
 import torch.nn.functional as F
 
 import swiglu_kernel  # sets TRITON_INTERPRET=1 before importing triton when there is no GPU
-from swiglu_kernel import TritonLlamaMLP, replace_llama_mlp, swiglu, swiglu_backward, swiglu_forward
+from swiglu_kernel import (TritonGemmaMLP, TritonLlamaMLP, geglu, replace_gemma_mlp, replace_llama_mlp, swiglu,
+                           swiglu_backward, swiglu_forward)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# The tanh GELU's sigmoid argument grows as g^3, so exp(-s) overflows to inf for gates below about -10, and g^3 itself
+# past 1e13, as intended (the results are the correct limits); the CPU interpreter computes with numpy, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning",
+                                        "ignore:overflow encountered in multiply:RuntimeWarning")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}  # what transformers runs
+
+
+def gelu_tanh_float64(t):
+    """The tanh GELU as g * sigmoid(2z), the same function (1 + tanh(z) = 2 sigmoid(2z)), for float64 references:
+    the tanh form loses every digit to 1 + tanh(z) cancelling below g = -6 even in float64, this form none."""
+    return t * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3))
+
+
+EXACT_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh_float64}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -37,26 +59,33 @@ def seed_for(*case):
     torch.manual_seed(zlib.crc32(repr(case).encode()))
 
 
-def reference(gate, up, dy):
-    """float64 SwiGLU and its gradients from the same (already rounded) inputs: the exact math, no roundings."""
+def reference(gate, up, dy, activation="silu", gate_multiplier=1.0):
+    """float64 act(gate * gate_multiplier) * up and its gradients from the same (already rounded) inputs: the exact
+    math, no roundings. SwiGLU's in closed form; the others through float64 autograd."""
     g, u, d = gate.double(), up.double(), dy.double()
-    sig = torch.sigmoid(g)
-    return g * sig * u, d * u * sig * (1 + g * (1 - sig)), d * g * sig
+    if activation == "silu" and gate_multiplier == 1.0:
+        sig = torch.sigmoid(g)
+        return g * sig * u, d * u * sig * (1 + g * (1 - sig)), d * g * sig
+    g, u = g.requires_grad_(), u.requires_grad_()
+    out = EXACT_ACTIVATIONS[activation](g * gate_multiplier) * u
+    out.backward(d)
+    return out.detach(), g.grad, u.grad
 
 
-def eager(gate, up, dy):
-    """What transformers' LlamaMLP runs, in the inputs' dtype: F.silu(gate) * up and autograd's backward."""
+def eager(gate, up, dy, activation="silu", gate_multiplier=1.0):
+    """What transformers runs, in the inputs' dtype, and autograd's backward: LlamaMLP's F.silu(gate) * up, GemmaMLP's
+    F.gelu(gate, approximate="tanh") * up, FalconH1MLP's up * F.silu(gate * gate_multiplier)."""
     gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
-    out = F.silu(gate) * up
+    out = ACTIVATIONS[activation](gate * gate_multiplier if gate_multiplier != 1.0 else gate) * up
     out.backward(dy)
     return out.detach(), gate.grad, up.grad
 
 
-def ours(gate, up, dy):
+def ours(gate, up, dy, activation="silu", gate_multiplier=1.0):
     """The fused kernels through autograd. detach() keeps the inputs' strides, so views stay views."""
     gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
-    out = swiglu(gate, up)
-    assert len(out.grad_fn.saved_tensors) == 2, "only gate and up should be saved (silu is recomputed)"
+    out = swiglu(gate, up, gate_multiplier=gate_multiplier) if activation == "silu" else geglu(gate, up)
+    assert len(out.grad_fn.saved_tensors) == 2, "only gate and up should be saved (the activation is recomputed)"
     out.backward(dy)
     return out.detach(), gate.grad, up.grad
 
@@ -72,23 +101,33 @@ def assert_no_worse_than_torch(what, ours_val, torch_val, ref, k=2.0):
         f"{what}: max error {ours_err:.3e} > {k} x torch's {torch_err:.3e} + {floor:.3e} (max |ref| {ref_max:.3e})")
 
 
-def check_against_reference(gate, up, dy):
-    ref = reference(gate, up, dy)
-    for what, o, t, r in zip(("out", "dgate", "dup"), ours(gate, up, dy), eager(gate, up, dy), ref):
+def check_against_reference(gate, up, dy, activation="silu", gate_multiplier=1.0):
+    options = (activation, gate_multiplier)
+    for what, o, t, r in zip(("out", "dgate", "dup"), ours(gate, up, dy, *options), eager(gate, up, dy, *options),
+                             reference(gate, up, dy, *options)):
         assert_no_worse_than_torch(what, o, t, r)
 
 
-def assert_cast_order(gate, up, dy):
+def assert_cast_order(gate, up, dy, activation="silu", gate_multiplier=1.0):
     """The error rule cannot tell one rounding from two, so compare bits with eager: with transformers' cast order
     (round silu to the dtype, multiply, round again) out and dup match `F.silu(gate) * up` and its autograd dup except
     for rare last-bit differences between exp implementations; skipping the intermediate rounding changes ~25 % of
     fp16 outputs. dgate is compared with the float64 dgate rounded to nearest once: autograd rounds dy * up before
-    silu', we do not, so ours is that single rounding (a truncating cast would match only about half the values)."""
-    out, dgate, dup = ours(gate, up, dy)
-    out_eager, _, dup_eager = eager(gate, up, dy)
-    g, u, d = (t.double() for t in (gate, up, dy))
-    sigmoid = torch.sigmoid(g)
-    dgate_once = (d * u * sigmoid * (1 + g * (1 - sigmoid))).to(gate.dtype)
+    silu', we do not, so ours is that single rounding (a truncating cast would match only about half the values).
+    With a gate multiplier, the scaled gate is rounded first in both (FalconH1MLP's gate * m is a tensor). PyTorch's
+    tanh GELU loses digits where 1 + tanh(z) cancels (in fp32 up to 23 % off for g in (-5, -2], 0 below about -5.5),
+    the kernel's sigmoid form does not: GeGLU's out and dup are compared with the exact GELU rounded where
+    transformers rounds it instead of with eager's."""
+    options = (activation, gate_multiplier)
+    out, dgate, dup = ours(gate, up, dy, *options)
+    out_eager, _, dup_eager = eager(gate, up, dy, *options)
+    scaled = (gate.float() * gate_multiplier).to(gate.dtype) if gate_multiplier != 1.0 else gate
+    g, u, d = (t.double().requires_grad_() for t in (scaled, up, dy))
+    if activation == "gelu_tanh":
+        act = gelu_tanh_float64(g.detach()).to(gate.dtype).double()
+        out_eager, dup_eager = (act * u.detach()).to(gate.dtype), (d * act).to(gate.dtype)
+    (dact,) = torch.autograd.grad(EXACT_ACTIVATIONS[activation](g).sum(), g)
+    dgate_once = (d * u * dact * gate_multiplier).to(gate.dtype)
     for what, o, e in (("out", out, out_eager), ("dup", dup, dup_eager), ("dgate", dgate, dgate_once)):
         same = (o == e).float().mean().item()
         assert same > 0.99, f"{what}: only {same:.2%} of the values equal the expected bits: cast order differs?"
@@ -158,6 +197,39 @@ def test_cast_order(dtype_name):
     assert_cast_order(gate, up, dy)
 
 
+# (activation, gate_multiplier): GeGLU, and SwiGLU with a multiplier that is not a power of two (its product rounds).
+OPTIONS = [("gelu_tanh", 1.0), ("silu", 0.7)]
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("activation,gate_multiplier", OPTIONS, ids=str)
+def test_options_forward_backward(activation, gate_multiplier, dtype_name):
+    """An odd shape whose default tile overhangs the last row tile; gates up to about +-12, where the GELU's sigmoid
+    argument (cubic in g) overflows exp."""
+    seed_for("options", activation, gate_multiplier, dtype_name)
+    gate, up, dy = (torch.randn(24, 1000, device=DEVICE).mul(3).to(DTYPES[dtype_name]) for _ in range(3))
+    check_against_reference(gate, up, dy, activation, gate_multiplier)
+
+
+@pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
+@pytest.mark.parametrize("activation,gate_multiplier", OPTIONS, ids=str)
+def test_options_cast_order(activation, gate_multiplier, dtype_name):
+    seed_for("options_cast_order", activation, gate_multiplier, dtype_name)
+    gate, up, dy = (torch.randn(16, 1376, device=DEVICE).mul(3).to(DTYPES[dtype_name]) for _ in range(3))
+    assert_cast_order(gate, up, dy, activation, gate_multiplier)
+
+
+def test_geglu_far_from_zero():
+    """Gates so large that g^3 and g^2 overflow fp32: the GELU is g or -0 there and its slope 1 or 0 (float64 says so
+    too), never NaN; PyTorch's own fp32 backward gives NaN at 1e30 (0 * inf)."""
+    gate = torch.tensor([-1e30, -1e14, -30.0, -10.5, 10.5, 30.0, 1e14, 1e30], device=DEVICE)
+    up = torch.full_like(gate, 0.75)
+    dy = torch.full_like(gate, -2.0)
+    out, dgate, dup = ours(gate, up, dy, "gelu_tanh")
+    for what, o, r in zip(("out", "dgate", "dup"), (out, dgate, dup), reference(gate, up, dy, "gelu_tanh")):
+        torch.testing.assert_close(o.double(), r, rtol=1e-6, atol=1e-30, msg=what)
+
+
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 176), (4, 0)], ids=str)
 def test_empty(shape):
     gate, up = (torch.randn(shape, device=DEVICE).requires_grad_() for _ in range(2))
@@ -183,6 +255,12 @@ def _bad_inputs():
         ("dy shape", lambda: swiglu_backward(x, x, x[:, :8]), ValueError, "dy"),
         ("dy dtype", lambda: swiglu_backward(x, x, bf), TypeError, "dy"),
         ("block_size not 2^k", lambda: swiglu_forward(x, x, block_size=100), ValueError, "power of two"),
+        ("gate_multiplier nan", lambda: swiglu(x, x, gate_multiplier=float("nan")), ValueError,
+         "gate_multiplier must be a finite number"),
+        ("gate_multiplier not a number", lambda: swiglu(x, x, gate_multiplier="2"), TypeError,
+         "gate_multiplier must be a float"),
+        ("down_multiplier inf", lambda: TritonLlamaMLP(4, 8, down_multiplier=float("inf")), ValueError,
+         "down_multiplier must be a finite number"),
     ]
 
 
@@ -277,6 +355,66 @@ def test_from_llama_mlp(dtype_name):
         _run_mlp(triton_mlp, x, dy)
     for (what, r), (_, t), (_, o) in zip(ref, torch_run, ours_run):
         assert_no_worse_than_torch(what, o, t, r)
+
+
+def test_from_gemma_mlp():
+    """GemmaMLP (tanh GELU) in bf16: the same Parameters; output, input gradient and every weight gradient no worse
+    than transformers' module against a float64 copy. The module's in-place backward runs here."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    seed_for("from_gemma_mlp")
+    config = GemmaConfig(hidden_size=64, intermediate_size=176, hidden_act="gelu_pytorch_tanh")
+    mlp = GemmaMLP(config).to(DEVICE, torch.bfloat16)
+    mlp_fp64 = copy.deepcopy(mlp).double()
+    x, dy = (torch.randn(2, 7, 64, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    triton_mlp = TritonGemmaMLP.from_gemma_mlp(mlp)
+    assert all(triton_mlp.get_parameter(n) is p for n, p in mlp.named_parameters())
+    assert list(triton_mlp.state_dict()) == list(mlp.state_dict())
+    ref, torch_run, ours_run = _run_mlp(mlp_fp64, x.double(), dy.double()), _run_mlp(mlp, x, dy), \
+        _run_mlp(triton_mlp, x, dy)
+    for (what, r), (_, t), (_, o) in zip(ref, torch_run, ours_run):
+        assert_no_worse_than_torch(what, o, t, r)
+    with pytest.raises(ValueError, match="gelu_tanh.*config.hidden_act must be 'gelu_pytorch_tanh'"):
+        TritonGemmaMLP.from_gemma_mlp(GemmaMLP(GemmaConfig(hidden_size=64, intermediate_size=176, hidden_act="silu")))
+
+
+def test_falcon_h1_multipliers():
+    """FalconH1MLP: down_proj(up * silu(gate * m_gate)) * m_down, bf16. from_llama_mlp keeps its multipliers (the
+    gate's in the kernel, the output's in torch); every result no worse than transformers' against float64."""
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+    seed_for("falcon_h1")
+    config = FalconH1Config(hidden_size=64, intermediate_size=176, mlp_multipliers=[0.7, 1.3], mlp_bias=True)
+    mlp = FalconH1MLP(config).to(DEVICE, torch.bfloat16)
+    mlp_fp64 = copy.deepcopy(mlp).double()
+    x, dy = (torch.randn(2, 7, 64, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    triton_mlp = TritonLlamaMLP.from_llama_mlp(mlp)
+    assert (triton_mlp.gate_multiplier, triton_mlp.down_multiplier) == (0.7, 1.3)
+    ref, torch_run, ours_run = _run_mlp(mlp_fp64, x.double(), dy.double()), _run_mlp(mlp, x, dy), \
+        _run_mlp(triton_mlp, x, dy)
+    for (what, r), (_, t), (_, o) in zip(ref, torch_run, ours_run):
+        assert_no_worse_than_torch(what, o, t, r)
+
+
+def test_replace_gemma_mlp():
+    """GemmaMLP and Gemma2MLP are swapped, sharing their Linear layers; an MLP whose act_fn is not the tanh GELU
+    refuses the whole swap."""
+    from transformers import Gemma2Config, GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
+    sizes = dict(hidden_size=64, intermediate_size=176, hidden_activation="gelu_pytorch_tanh")
+    model = torch.nn.ModuleDict({"a": GemmaMLP(GemmaConfig(hidden_act="gelu_pytorch_tanh", **sizes)),
+                                 "b": Gemma2MLP(Gemma2Config(**sizes))})
+    params_before = dict(model.named_parameters())
+    with pytest.raises(ValueError, match="found 2 GemmaMLP modules to replace, expected 3"):
+        replace_gemma_mlp(model, expected=3)
+    assert replace_gemma_mlp(model, expected=2) == 2
+    assert all(isinstance(m, TritonGemmaMLP) for m in model.values())
+    assert all(model.get_parameter(n) is p for n, p in params_before.items())
+    model["c"] = GemmaMLP(GemmaConfig(hidden_act="gelu", **sizes))  # the exact GELU, not the tanh one
+    with pytest.raises(ValueError, match="gelu_tanh"):
+        replace_gemma_mlp(model)
+    assert type(model["c"]).__name__ == "GemmaMLP", "a failed replace must change nothing"
 
 
 def test_non_silu_rejected():

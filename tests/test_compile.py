@@ -205,9 +205,13 @@ def test_opcheck():
     cases = [
         (ops.rms_norm, (x, weight, 1e-5), True),
         (ops.rms_norm_backward, (torch.randn_like(y), x.detach(), weight.detach(), rstd), True),
+        (ops.rms_norm, (x, None, 1e-5, 1.0, "gemma"), True),  # the options: no weight, Gemma's offset and casting
+        (ops.rms_norm_backward, (torch.randn_like(y), x.detach(), None, rstd, 1.0, "gemma"), True),
         (ops.swiglu, (gate, up, False), True),
         (ops.swiglu_backward, (gate.detach(), up.detach(), dy), True),
         (ops.swiglu_backward_, (gate.detach().clone(), up.detach().clone(), dy), True),
+        (ops.swiglu, (gate, up, False, 0.7, "gelu_tanh"), True),  # the options: a gate multiplier, GeGLU
+        (ops.swiglu_backward, (gate.detach(), up.detach(), dy, 0.7, "gelu_tanh"), True),
         (ops.rope, (q, k, cos, sin), True),
         (ops.rope_backward, (dq_embed, dk_embed, cos, sin), True),
         (ops.cross_entropy, (logits, targets, -100, "mean", 0.0, True, False, None, 0.0, None, *ce_flags), False),
