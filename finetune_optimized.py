@@ -587,12 +587,14 @@ def checkpoints(output_dir):
 
 
 def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size):
-    """DIR/checkpoint-<step>: model and optimizer state through torch.distributed.checkpoint (every rank writes its
-    own shards), plus the schedule, the step (which is also the data position: the batches are a function of the
-    arguments) and the RNG states. Written as DIR/.partial-checkpoint-<step>, renamed when complete; only then are
-    checkpoints beyond --save-total-limit deleted."""
+    """Starts DIR/checkpoint-<step>: model and optimizer state through torch.distributed.checkpoint (every rank writes
+    its own shards), plus the schedule, the step (which is also the data position: the batches are a function of the
+    arguments) and the RNG states. Training waits only while async_save copies the state to host memory; a
+    background thread writes it to DIR/.partial-checkpoint-<step> while the next steps run. finish_checkpoint waits
+    for that write, then renames the folder checkpoint-<step> and only then deletes the checkpoints beyond
+    --save-total-limit: a run killed at any moment leaves the last complete checkpoint whole."""
     out, t0 = Path(args.output_dir), time.perf_counter()
-    final, partial = out / f"checkpoint-{step}", out / f".partial-checkpoint-{step}"
+    partial = out / f".partial-checkpoint-{step}"
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
     size = sum(t.numel() * t.element_size() for part in (model_state, optimizer_state) for t in part.values()
                if isinstance(t, torch.Tensor))  # a sharded tensor counts its global size
@@ -602,22 +604,42 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
                          f"{shutil.disk_usage(out).free / 2**30:.1f} GiB free; the earlier checkpoints are kept")
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
+    with warnings.catch_warnings():  # one process without a process group is the intended use here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+    trainer_state = {"step": step, "world_size": world_size, "model": args.model, "rng": rng,
+                     "scheduler": schedulers[0].state_dict()}
+    return {"step": step, "bytes": size, "stage_s": time.perf_counter() - t0, "t0": t0, "future": future,
+            "partial": partial, "trainer_state": trainer_state}
+
+
+def finish_checkpoint(args, pending, rank, world_size):
+    """Waits for a checkpoint's background write, adds the trainer state and gives the folder its final name; returns
+    what the results report of it."""
+    final = Path(args.output_dir) / f"checkpoint-{pending['step']}"
     try:
-        with warnings.catch_warnings():  # one process without a process group is the intended use here
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+        pending["future"].result()
         if rank == 0:
-            rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
-            torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": rng,
-                        "scheduler": schedulers[0].state_dict()}, partial / "trainer_state.pt")
-            partial.rename(final)
-            for old in checkpoints(out)[:-args.save_total_limit]:
+            torch.save(pending["trainer_state"], pending["partial"] / "trainer_state.pt")
+            pending["partial"].rename(final)
+            for old in checkpoints(args.output_dir)[:-args.save_total_limit]:
                 shutil.rmtree(old)
-    except OSError as err:
-        raise SystemExit(f"error: writing {final} failed ({err}); the earlier checkpoints are kept") from None
+    except Exception as err:  # the writer thread's OSError arrives wrapped in DCP's own exception types
+        raise SystemExit(f"error: writing {final} failed ({str(err).strip().splitlines()[-1][:300]}); the earlier "
+                         f"checkpoints are kept") from None
     if world_size > 1:
         dist.barrier()
-    return {"step": step, "bytes": size, "write_s": time.perf_counter() - t0}
+    return {"step": pending["step"], "bytes": pending["bytes"], "stage_s": pending["stage_s"],
+            "write_s": time.perf_counter() - pending["t0"]}
+
+
+def write_done(pending, world_size):
+    """Whether a checkpoint's background write has finished, on every rank (they rename it together)."""
+    done = torch.tensor(int(pending["future"].done()))
+    if world_size > 1:
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # a CPU tensor: the gloo half of the process group
+    return bool(done)
 
 
 def resume(args, model, optimizers, schedulers, world_size):
@@ -726,7 +748,9 @@ def init_distributed(args):
     device = f"cuda:{os.environ['LOCAL_RANK']}" if HAS_CUDA else "cpu"
     if HAS_CUDA:
         torch.cuda.set_device(device)  # the current device of synchronize(), max_memory_allocated(), NCCL
-    dist.init_process_group("nccl" if HAS_CUDA else "gloo", device_id=torch.device(device) if HAS_CUDA else None)
+    # gloo beside NCCL: the checkpoints' background writes coordinate the ranks on the host
+    dist.init_process_group("cpu:gloo,cuda:nccl" if HAS_CUDA else "gloo",
+                            device_id=torch.device(device) if HAS_CUDA else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -748,7 +772,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(args.tensorboard)
-    records, step_times, evals, saved = [], [], [], []
+    records, step_times, evals, saved, pending = [], [], [], [], None
     progress = tqdm(range(start_step + 1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
     for step in progress:
         if step == start_step + warmup_steps + 1 and HAS_CUDA and warmup_steps == 1:
@@ -774,9 +798,14 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
             for name, value in scalars.items() if writer else ():
                 writer.add_scalar(name, value, step)
+        if pending is not None and (write_done(pending, world_size) or step % (args.save_steps or 1) == 0):
+            saved.append(finish_checkpoint(args, pending, rank, world_size))
+            pending = None
         if args.save_steps and step % args.save_steps == 0:
-            saved.append(save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size))
+            pending = save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size)
     progress.close()
+    if pending is not None:
+        saved.append(finish_checkpoint(args, pending, rank, world_size))
     if writer:
         writer.close()
 
@@ -799,8 +828,9 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     print(f"loss            : {losses[0]:.4f} (step {start_step + 1}) -> {losses[-1]:.4f} (step {args.steps})"
           + (f" | held-out {evals[-1]['loss']:.4f}" if evals else ""))
     for checkpoint in saved[-1:]:
-        print(f"checkpoint      : {checkpoint['bytes'] / 2**30:.2f} GiB written in {checkpoint['write_s']:.1f} s "
-              f"(step {checkpoint['step']}, {len(saved)} written)")
+        print(f"checkpoint      : {checkpoint['bytes'] / 2**30:.2f} GiB, training held {checkpoint['stage_s']:.1f} s "
+              f"while it was copied to host memory, written in {checkpoint['write_s']:.1f} s (step "
+              f"{checkpoint['step']}, {len(saved)} written)")
     return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
             "avg_step_ms": 1e3 * sum(step_times) / len(step_times) if step_times else None,

@@ -97,17 +97,17 @@ def test_resume_after_sigkill_gives_the_uninterrupted_losses(data, uninterrupted
 
 
 def test_sigkill_while_writing_keeps_the_earlier_checkpoint(data, uninterrupted, tmp_path):
-    """The run is killed inside torch.distributed.checkpoint's save of step 4, after it has written part of it: the
+    """The run is killed inside torch.distributed.checkpoint's async_save of step 4, after it has written part of it: the
     partial folder never takes the checkpoint's name, checkpoint-2 stays loadable, --resume continues from it."""
     reference, _ = uninterrupted
     killer = ("import os, signal, sys; sys.argv[0] = {script!r}; sys.path.insert(0, {root!r}); import finetune_baseline "
-              "as script; save = script.dcp.save\n"
+              "as script; save = script.dcp.async_save\n"
               "def dying_save(state, checkpoint_id):\n"
               "    if str(checkpoint_id).endswith('-4'):\n"
               "        os.makedirs(checkpoint_id, exist_ok=True); open(os.path.join(checkpoint_id, 'half'), 'w').write('x')\n"
               "        os.kill(os.getpid(), signal.SIGKILL)\n"
               "    return save(state, checkpoint_id=checkpoint_id)\n"
-              "script.dcp.save = dying_save; script.main(sys.argv[1:])")
+              "script.dcp.async_save = dying_save; script.main(sys.argv[1:])")
     cmd = command("finetune_baseline.py", data, tmp_path, "--save-steps", "2")
     proc = subprocess.run([sys.executable, "-c", killer.format(script=cmd[1], root=str(ROOT)), *cmd[2:]], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=600)
