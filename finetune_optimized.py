@@ -857,9 +857,18 @@ def main(argv=None):
             rows.append({"seq_len": seq_len, "status": "not tried"})
             print(f"seq_len {seq_len:>7}: not tried")
             continue
-        one = args if seq_len is None else argparse.Namespace(**{**vars(args), "seq_len_search": [seq_len]})
-        result = fine_tune_with_fallback(one, write=seq_len is None)
+        one = args if seq_len is None else argparse.Namespace(**{**vars(args), "seq_len_search": [seq_len],
+                                                                 "seq_len": seq_len})  # the length the plan fits
+        try:
+            result = fine_tune_with_fallback(one, write=seq_len is None)
+        except NoPlanFits as no_plan:
+            if seq_len is None or result is None:  # a run, or the search's first length: nothing else to report
+                raise
+            rows.append({"seq_len": seq_len, "status": "no plan fits", "reason": str(no_plan)})
+            print(f"seq_len {seq_len:>7}: {no_plan}")
+            continue
         rows += result["seq_len_search"]["results"] if seq_len is not None else []
+        gc.collect()  # the length's model, optimizer state and pinned buffers, before the next length's
     if rows:  # the per-length runs as one search: the first run's header, every length's row
         result["options"]["seq_len_search"] = args.seq_len_search
         result["seq_len_search"] = {"lengths": args.seq_len_search, "results": rows,
@@ -1105,6 +1114,10 @@ def host_memory_bytes():
         return 0
 
 
+class NoPlanFits(SystemExit):
+    """No plan fits the budget: one error line for a run, a row of its own in a search."""
+
+
 def plan_memory(args, model, model_with_loss, device, tried=()):
     """The levers of this run. --memory-plan manual: the flags. auto: the cheapest plan (plan_cost) whose estimated
     peak fits the GPU's memory (or --memory-budget-gib), with the levers given by hand kept; a plan that ran out of
@@ -1144,7 +1157,7 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
                    if plan.estimated_peak_bytes < min(failed.estimated_peak_bytes for failed in tried)]
     if not fitting:
         _, leanest = choose_plan(0, model_bytes, args.batch_size, args.seq_len, given, host)
-        raise SystemExit(f"error: no memory plan fits {tokens} tokens per step in {budget / 2**30:.1f} GiB of "
+        raise NoPlanFits(f"error: no memory plan fits {tokens} tokens per step in {budget / 2**30:.1f} GiB of "
                          f"{where}" + (f" after {len(tried)} ran out of memory" if tried else "")
                          + f": the leanest ({leanest.describe()}) needs about {leanest.estimated_peak_bytes / 2**30:.1f}"
                          f" GiB ({format_parts(leanest.estimated_parts)}) and {leanest.estimated_host_bytes / 2**30:.1f}"

@@ -419,3 +419,14 @@ def test_no_plan_fits_is_one_line(tmp_path):
                                          r"--memory-budget-gib: the leanest \(.*\) needs about .* GiB \(weights .*\)"):
         run_planned(tmp_path, "--memory-budget-gib", "0.0001")
     assert not (tmp_path / "run.json").exists()
+
+
+def test_search_plans_each_length(tmp_path):
+    """--seq-len-search with the plan: each length gets its own plan (none at 64 tokens, levers at 256 within the
+    same budget), and a length no plan fits is a row that ends the search, not an error."""
+    result = run_planned(tmp_path, "--memory-budget-gib", "0.0035", "--seq-len-search", "64,256,4096,8192")
+    rows = result["seq_len_search"]["results"]
+    assert [row["status"] for row in rows] == ["trained", "trained", "no plan fits", "not tried"]
+    assert rows[0]["memory_plan"]["reason"].startswith("no lever")
+    assert not rows[1]["memory_plan"]["reason"].startswith("no lever")
+    assert "no memory plan fits 4096 tokens" in rows[2]["reason"] and result["seq_len_search"]["longest_trained"] == 256
