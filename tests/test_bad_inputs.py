@@ -59,8 +59,10 @@ FINETUNE_CASES = {
     "attn-unknown": (["--attn-implementation", "flash"], "argument --attn-implementation: invalid choice: 'flash'"),
     # a directory as --out: refused before the run, not found out when the results are written at its end
     "out-directory": (["--out", "{data}"], "data is a directory: give the path of the file to write"),
-    "warmup-longer-than-seq": (["--seq-len", "16", "--warmup-seq-len", "32"],
-                               "--warmup-seq-len 32 is longer than --seq-len 16"),
+    "warmup-without-search": (["--warmup-seq-len", "32"], "--warmup-seq-len is the --seq-len-search warm-up's length"),
+    "resume-without-checkpoint": (["--output-dir", "{data}", "--resume"], "--resume: no complete checkpoint in"),
+    "save-without-output-dir": (["--save-steps", "2"], "--save-steps and --resume need --output-dir"),
+    "eval-split-of-synthetic": (["--eval-split", "0.1"], "--eval-split takes a fraction between 0 and 1 of --data"),
 }
 # Code shared by both scripts (checked identical in test_finetune.py): these run on the baseline only.
 BASELINE_CASES = {
