@@ -854,6 +854,8 @@ def fine_tune(argv=None):
         if args.fsdp:  # the global batch's figures: the mean over ranks (a collective, not a host sync)
             for value in filter(lambda v: v is not None, (step_loss, step_accuracy)):
                 dist.all_reduce(value.div_(world_size))  # sum of value / world_size (gloo has no AVG)
+            if grad_norm is not None:  # clip_grad_norm_ of sharded gradients: a DTensor, the same on every rank
+                grad_norm = grad_norm.full_tensor()
         return step_loss, step_accuracy, grad_norm
 
     print(f"device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "

@@ -966,6 +966,8 @@ def fine_tune(args, tried=(), write=True):
         if args.fsdp:  # the global batch's figures: the mean over ranks (a collective, not a host sync)
             for value in filter(lambda v: v is not None, (step_loss, step_accuracy)):
                 dist.all_reduce(value.div_(world_size))  # sum of value / world_size (gloo has no AVG)
+            if grad_norm is not None:  # clip_grad_norm_ of sharded gradients: a DTensor, the same on every rank
+                grad_norm = grad_norm.full_tensor()
         return step_loss, step_accuracy, grad_norm
 
     print(f"device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "
@@ -1102,6 +1104,8 @@ def given_levers(args, n_layers):
              "offload_layers": args.offload_activations, "tiled_mlp": args.tiled_mlp,
              "optimizer_in_backward": True if args.offload_optimizer else args.optimizer_in_backward,
              "offload_optimizer": args.offload_optimizer}
+    if args.fsdp or args.grad_accum_steps > 1:  # FSDP2 and accumulation need whole-model gradients after the backward
+        given.update(optimizer_in_backward=False, offload_optimizer=False)
     return {name: value for name, value in given.items() if value is not None}
 
 

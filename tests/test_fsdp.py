@@ -37,7 +37,7 @@ LAUNCHERS = {
 def run(launcher, script, out, *flags):
     # CPU on every machine (no GPU visible): gloo ranks, the kernels on the Triton interpreter.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [*launcher, str(ROOT / script), "--model", "tiny", "--steps", "3", "--seq-len", "16", "--lr", "1e-3",
+    cmd = [*launcher, str(ROOT / script), "--model", "tiny", "--steps", "4", "--seq-len", "16", "--lr", "1e-3",
            "--out", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -59,11 +59,9 @@ def test_fsdp_two_ranks_match_one_process(script, launcher, tmp_path):
     assert stdout.count("---- summary") == 1  # rank 0 alone prints
     assert sharded["world_size"] == WORLD_SIZE and single["world_size"] == 1
     assert sharded["tokens_per_step"] == single["tokens_per_step"] == WORLD_SIZE * 16
-    assert sharded["tokens_per_s_per_gpu"] == pytest.approx(sharded["tokens_per_s"] / WORLD_SIZE)
     assert len(sharded["peak_memory_gib_per_rank"]) == WORLD_SIZE
 
-    sharded_losses = [sharded["warmup_loss"], *sharded["losses"]]
-    single_losses = [single["warmup_loss"], *single["losses"]]
+    sharded_losses, single_losses = sharded["losses"], single["losses"]
     assert single_losses[0] - single_losses[-1] > 0.1  # the run really trains: parity is not a flat line
     assert sharded_losses == pytest.approx(single_losses, rel=1e-4)
 
@@ -82,6 +80,7 @@ def test_fsdp_bad_combinations_are_clear_errors(module, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             module.parse_args(["--fsdp", *flags])
         assert f"--fsdp cannot be combined with {flags[0]}" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # FSDP2 reduces the gradients after the backward: none to step on arrival
-        module.parse_args(["--fsdp", "--optimizer-in-backward"])
-    assert "--optimizer-in-backward cannot be combined with --fsdp" in capsys.readouterr().err
+    if module is finetune_optimized:  # FSDP2 reduces the gradients after the backward: none to step on arrival
+        with pytest.raises(SystemExit):
+            module.parse_args(["--fsdp", "--optimizer-in-backward"])
+        assert "--optimizer-in-backward cannot be combined with --fsdp" in capsys.readouterr().err
