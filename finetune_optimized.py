@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import fully_shard
@@ -219,9 +220,11 @@ def parse_args(argv=None):
         parser.error("--attn-implementation flex_attention needs a GPU: FlexAttention has no backward on the CPU")
     if args.out and Path(args.out).is_dir():  # checked now: the results are written only at the end of the run
         parser.error(f"--out {args.out} is a directory: give the path of the file to write")
-    if args.compile_mode != "default" and not (args.compile and COMPILE_BACKEND == "inductor"):
-        parser.error("--compile-mode goes with --compile, on a GPU (without one --compile uses aot_eager, which has "
-                     "no modes)")
+    if args.compile_mode != "default" and not args.compile:
+        parser.error("--compile-mode goes with --compile")
+    if args.compile_mode != "default" and COMPILE_BACKEND != "inductor":
+        parser.error(f"--compile-mode needs a GPU: without one, --compile uses the {COMPILE_BACKEND} backend, which "
+                     f"has no modes")
     if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
         parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
     if args.plot and not (args.out or "").endswith(".png"):
@@ -625,7 +628,7 @@ def finish_checkpoint(args, pending, rank, world_size):
             pending["partial"].rename(final)
             for old in checkpoints(args.output_dir)[:-args.save_total_limit]:
                 shutil.rmtree(old)
-    except Exception as err:  # the writer thread's OSError arrives wrapped in DCP's own exception types
+    except (Exception, CheckpointException) as err:  # the writer thread's OSError arrives wrapped in DCP's type
         raise SystemExit(f"error: writing {final} failed ({str(err).strip().splitlines()[-1][:300]}); the earlier "
                          f"checkpoints are kept") from None
     if world_size > 1:
@@ -655,7 +658,7 @@ def resume(args, model, optimizers, schedulers, world_size):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-    except Exception as err:  # DCP reports a missing key or a shape mismatch in its own exception types
+    except (Exception, CheckpointException) as err:  # DCP's own type, a BaseException, carries a shape mismatch
         raise SystemExit(f"error: --resume: {folder} (written for {state['model']}) does not fit this model: "
                          f"{str(err).strip().splitlines()[-1][:300]}") from None
     set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
@@ -978,6 +981,9 @@ def fine_tune(args, tried=(), write=True):
           f"data {args.data}" + (f", replaced {replaced}" * bool(replaced))
           + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
     print(f"memory plan ({args.memory_plan}): {plan.reason}")
+    if args.compile:
+        print(f"torch.compile: backend {COMPILE_BACKEND}, mode {args.compile_mode}"
+              + ("" if HAS_CUDA else " (no CUDA device: aot_eager traces the graphs, generates no code)"))
     result = {**info, "script": Path(__file__).name, "model": args.model, "weights": weights,
               "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
               "replaced": replaced, "world_size": world_size, "options": vars(args),
