@@ -546,9 +546,11 @@ def test_replace_rmsnorm_in_a_llama_model():
 
 
 def test_kernel_script_prints_one_line_and_help(capsys):
-    assert rmsnorm_kernel.main(["--rows", "3", "--hidden", "40", "--dtype", "bf16"]) == 0
+    # 16 rows: with 3 the weight gradient sums too few bf16 products, and its error against PyTorch's is a coin toss
+    # (about 1 run in 100 past the 1.5x rule; with 16 the worst of 120 runs is at 0.71 of it)
+    assert rmsnorm_kernel.main(["--rows", "16", "--hidden", "40", "--dtype", "bf16"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rms_norm 3x40 bf16") and lines[0].endswith(": OK"), lines
+    assert len(lines) == 1 and lines[0].startswith("rms_norm 16x40 bf16") and lines[0].endswith(": OK"), lines
     with pytest.raises(SystemExit) as exit_info:
         rmsnorm_kernel.main(["--help"])
     assert exit_info.value.code == 0
