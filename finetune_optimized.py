@@ -191,8 +191,8 @@ def build_parser():
              "in the backward)")
     add("--cuda-graph", action="store_true", help="capture the whole training step as one CUDA graph and replay "
         "it: one launch per step instead of one per kernel (for steps the host cannot launch fast enough: 1x512)")
-    add("--plot", nargs="+", default=None, metavar="JSON", help="instead of training: plot peak GPU memory and "
-        "tokens/s against sequence length from results files (ours, Liger, ...) into --out (a .png)")
+    add("--plot", nargs="+", default=None, metavar="JSON", help="instead of training: plot peak GPU memory against "
+        "sequence length from results files (ours, Liger, ...), each point labelled with its levers, into --out (.png)")
     return parser
 
 
@@ -2055,16 +2055,20 @@ def capture_step(train_step):
 # ----------------------------------------------------------------------------------------------------------------------
 # Reporting: peak memory and tokens/s against sequence length, from the JSON files of earlier runs
 
-def flag_summary(options):
-    """The long-sequence flags of a run, short enough to label a point."""
-    parts = [options.get("activation_checkpointing", "none")]
-    if options.get("checkpoint_layers"):
-        parts.append(f"{options['checkpoint_layers']} layers")
-    if options.get("offload_activations"):
-        parts.append(f"offload {options['offload_activations']}")
-    if options.get("tiled_mlp"):
-        parts.append(f"MLP tiles {options['tiled_mlp']}")
-    if options.get("optimizer_in_backward"):
+def flag_summary(levers):
+    """A run's memory levers, short enough to label a point: its memory plan's record (levers named as MemoryPlan
+    names them), or, in files from before the plan, its options (the flags' names)."""
+    parts = [levers.get("activation_checkpointing") or "none"]
+    if levers.get("checkpoint_layers"):
+        parts.append(f"{levers['checkpoint_layers']} layers")
+    offloaded = levers.get("offload_layers", levers.get("offload_activations"))
+    if offloaded:
+        parts.append(f"offload {offloaded}")
+    if levers.get("tiled_mlp"):
+        parts.append(f"MLP tiles {levers['tiled_mlp']}")
+    if levers.get("offload_optimizer"):
+        parts.append("optimizer state offloaded")
+    elif levers.get("optimizer_in_backward"):
         parts.append("optimizer in backward")
     return ", ".join(parts)
 
@@ -2098,7 +2102,8 @@ def plot_memory(paths, out_path):
                 if row.get("peak_gib") is None:  # a run without a GPU has no GPU memory to report
                     unmeasured.append(f"{path} ({row['seq_len']} tokens)")
                 else:
-                    series.setdefault(label, []).append((row, flag_summary(result["options"])))
+                    levers = row.get("memory_plan") or result.get("memory_plan") or result["options"]
+                    series.setdefault(label, []).append((row, flag_summary(levers)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # e.g. an older file's rows
             raise SystemExit(f"error: --plot {path}: not a fine-tune results file this version reads "
                              f"({type(err).__name__}: {err})")
