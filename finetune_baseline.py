@@ -535,9 +535,10 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
     size = sum(t.numel() * t.element_size() for part in (model_state, optimizer_state) for t in part.values()
                if isinstance(t, torch.Tensor))  # a sharded tensor counts its global size
     out.mkdir(parents=True, exist_ok=True)
-    if size > shutil.disk_usage(out).free:
-        raise SystemExit(f"error: checkpoint-{step} needs {size / 2**30:.1f} GiB and {out} has "
-                         f"{shutil.disk_usage(out).free / 2**30:.1f} GiB free; the earlier checkpoints are kept")
+    free = shutil.disk_usage(out).free
+    if size > free:
+        raise SystemExit(f"error: checkpoint-{step} needs {size / 2**30:.1f} GiB and {out} has {free / 2**30:.1f} GiB "
+                         f"free; the earlier checkpoints are kept")
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
@@ -734,7 +735,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
             for name, value in scalars.items() if writer else ():
                 writer.add_scalar(name, value, step)
-        if pending is not None and (write_done(pending, world_size) or step % (args.save_steps or 1) == 0):
+        if pending is not None and (write_done(pending, world_size) or step % args.save_steps == 0):
             saved.append(finish_checkpoint(args, pending, rank, world_size))
             pending = None
         if args.save_steps and step % args.save_steps == 0:

@@ -602,9 +602,10 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
     size = sum(t.numel() * t.element_size() for part in (model_state, optimizer_state) for t in part.values()
                if isinstance(t, torch.Tensor))  # a sharded tensor counts its global size
     out.mkdir(parents=True, exist_ok=True)
-    if size > shutil.disk_usage(out).free:
-        raise SystemExit(f"error: checkpoint-{step} needs {size / 2**30:.1f} GiB and {out} has "
-                         f"{shutil.disk_usage(out).free / 2**30:.1f} GiB free; the earlier checkpoints are kept")
+    free = shutil.disk_usage(out).free
+    if size > free:
+        raise SystemExit(f"error: checkpoint-{step} needs {size / 2**30:.1f} GiB and {out} has {free / 2**30:.1f} GiB "
+                         f"free; the earlier checkpoints are kept")
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
@@ -801,7 +802,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
             for name, value in scalars.items() if writer else ():
                 writer.add_scalar(name, value, step)
-        if pending is not None and (write_done(pending, world_size) or step % (args.save_steps or 1) == 0):
+        if pending is not None and (write_done(pending, world_size) or step % args.save_steps == 0):
             saved.append(finish_checkpoint(args, pending, rank, world_size))
             pending = None
         if args.save_steps and step % args.save_steps == 0:
@@ -1095,10 +1096,10 @@ def check_memory_flags(parser, args):
             parser.error(f"--cuda-graph captures one plain step of one shape: it cannot be combined with {clash}")
 
 
-def given_levers(args, n_layers):
-    """The levers set by hand, named as the plan names them. With --memory-plan manual (and --cuda-graph, whose
-    captured step takes no lever) every lever is given: an unset one is off."""
-    if args.memory_plan == "manual" or args.cuda_graph:
+def given_levers(args, n_layers, every_lever):
+    """The levers set by hand, named as the plan names them. every_lever: each lever is given, an unset one off (what
+    --memory-plan manual, --cuda-graph, whose captured step takes no lever, and a run with no GPU to plan for take)."""
+    if every_lever:
         mode = args.activation_checkpointing or "none"
         return {"activation_checkpointing": mode,
                 "checkpoint_layers": 0 if mode == "none" else args.checkpoint_layers or n_layers,
@@ -1131,35 +1132,34 @@ class NoPlanFits(SystemExit):
 def plan_memory(args, model, model_with_loss, device, tried=()):
     """The levers of this run. --memory-plan manual: the flags. auto: the cheapest plan (plan_cost) whose estimated
     peak fits the GPU's memory (or --memory-budget-gib), with the levers given by hand kept; a plan that ran out of
-    memory (tried) rules out every plan estimated at as much or more. The estimate's per-token bytes come from one
-    probe forward at a short length on the GPU; without a GPU they are counted from the config (there is no GPU
-    memory to plan for, unless --memory-budget-gib names some)."""
+    memory (tried) rules out every plan estimated at as much or more. The estimate's per-token bytes come from two
+    probe forwards at short lengths on the GPU; without a GPU they are counted from the config, and there is no GPU
+    memory to plan for unless --memory-budget-gib names some: the levers given by hand are the plan."""
     n_layers, tokens = model.config.num_hidden_layers, args.batch_size * args.seq_len
     for flag, value in (("offload-activations", args.offload_activations), ("checkpoint-layers", args.checkpoint_layers)):
         if value is not None and value > n_layers:
             raise SystemExit(f"error: --{flag} {value}: the model has {n_layers} decoder layers")
-    given = given_levers(args, n_layers)
+    nothing_to_plan_for = not HAS_CUDA and args.memory_budget_gib is None
+    as_given = args.memory_plan == "manual" or args.cuda_graph or nothing_to_plan_for
+    given = given_levers(args, n_layers, every_lever=as_given)
     model_bytes = measure_model_bytes(args, model, model_with_loss, device)
-    if args.memory_plan == "manual" or args.cuda_graph:
+    if as_given:
         plan = MemoryPlan(**{**dataclasses.asdict(MemoryPlan()), **given})
         plan.estimated_peak_bytes, plan.estimated_parts = estimate_peak_bytes(plan, model_bytes, args.batch_size,
                                                                               args.seq_len)
         plan.reason = f"{plan.describe()} (as given; estimated peak {plan.estimated_peak_bytes / 2**30:.1f} GiB)"
+        if nothing_to_plan_for and args.memory_plan == "auto":
+            plan.reason = (f"{plan.describe()}: without a GPU there is no GPU memory to plan for, so only the levers "
+                           f"given by hand (--memory-budget-gib plans for a GPU)")
         return plan
     if args.memory_budget_gib is not None:
         budget, where = int(args.memory_budget_gib * 2**30), "--memory-budget-gib"
-    elif HAS_CUDA:
+    else:
         free, _ = torch.cuda.mem_get_info(device)
         # What the caching allocator holds (the weights, and the probe's freed blocks it keeps cached) is this
         # process's to use, on top of what the driver reports free; keep 3 % + 1 GiB for the CUDA context's growth,
         # cuBLAS workspaces and the allocator's rounding.
         budget, where = int(0.97 * (free + torch.cuda.memory_reserved(device))) - 2**30, "this GPU"
-    else:  # the levers given by hand, the others off
-        plan = MemoryPlan(**{**dataclasses.asdict(MemoryPlan()), **given_levers(argparse.Namespace(
-            **{**vars(args), "memory_plan": "manual"}), n_layers)})
-        plan.reason = (f"{plan.describe()}: without a GPU there is no GPU memory to plan for, so only the levers "
-                       f"given by hand (--memory-budget-gib plans for a GPU)")
-        return plan
     host = host_memory_bytes()
     fitting = fitting_plans(budget, model_bytes, args.batch_size, args.seq_len, given, host)
     if tried:
