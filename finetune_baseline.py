@@ -891,7 +891,8 @@ def fine_tune(argv=None):
         if args.output_dir:
             result["final_model"] = save_final(args, model, tokenizer, rank)
     write_results(result, out_path, rank)
-    if args.fsdp:
+    if args.fsdp:  # every rank past its last collective before any closes its connections
+        dist.barrier()
         dist.destroy_process_group()
 
 

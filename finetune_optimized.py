@@ -1023,7 +1023,8 @@ def fine_tune(args, tried=(), write=True):
         raise
     if write:
         write_results(result, out_path, rank)
-    if args.fsdp:
+    if args.fsdp:  # every rank past its last collective before any closes its connections
+        dist.barrier()
         dist.destroy_process_group()
     return result
 
