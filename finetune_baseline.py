@@ -54,7 +54,7 @@ from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers.utils import is_accelerate_available
 
 HERE = Path(__file__).resolve().parent
@@ -136,8 +136,8 @@ def build_parser():
     add("--compile", action="store_true", help="torch.compile the model with its loss (on the first step)")
     add("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile's mode")
     # -- baseline only: the peer a user would try -------------------------------------------------------------------
-    add("--liger", action="store_true", help="Liger-Kernel's apply_liger_kernel_to_llama(model=...); not with "
-        "--compile")
+    add("--liger", action="store_true", help="Liger-Kernel's patch for the model's family, as transformers' Trainer "
+        "applies it (use_liger_kernel); not with --compile")
     return parser
 
 
@@ -262,24 +262,18 @@ def default_out_path(args, weights, dtype, variant, world_size):
 # ----------------------------------------------------------------------------------------------------------------------
 # Model: real weights when they can be loaded offline, otherwise the same architecture with random weights
 
-ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# configs/<name>/config.json: the published architecture of each supported family's common size (llama-3.1-8b,
+# mistral-7b-v0.3, qwen2.5-7b, qwen3-8b, gemma-2-9b, gemma-3-12b's text decoder, phi-3-mini-4k-instruct) and a tiny
+# one of the same structure per family for CPU runs ("tiny" is LLaMA's, "tiny-<family>" the others').
+CONFIGS = HERE / "configs"
+# The attention implementations that apply Gemma 2's attention logit softcapping (sdpa has no such argument).
+SOFTCAP_ATTENTION = ["eager", "flex_attention", "flash_attention_2"]
 
 
-def llama31_8b_config():
-    """The published Llama-3.1-8B config.json values, so the architecture is available without the gated repo."""
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-                       rope_parameters=dict(ROPE_LLAMA3))
-
-
-def tiny_llama_config():
-    """Same structure as Llama-3.1-8B (GQA, SwiGLU, llama3 RoPE, untied head), toy sizes: runs on CPU in seconds."""
-    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                       rope_parameters=dict(ROPE_LLAMA3))
+def builtin_config(name):
+    """The config in configs/ named like the model (its Hub id's last part, in any case), or None."""
+    folder = CONFIGS / name.rstrip("/").split("/")[-1].lower()
+    return AutoConfig.from_pretrained(folder) if (folder / "config.json").is_file() else None
 
 
 def is_local_path(name):
@@ -287,14 +281,27 @@ def is_local_path(name):
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
+def check_attention(config, attn_implementation):
+    """A model whose attention logits are softcapped (Gemma 2) would train a different function on an attention that
+    drops the cap: one error line instead."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap and attn_implementation not in SOFTCAP_ATTENTION:
+        raise SystemExit(f"error: --attn-implementation {attn_implementation} cannot apply {config.model_type}'s "
+                         f"attention logit softcapping ({softcap}); use {' or '.join(SOFTCAP_ATTENTION)}")
+
+
 def load_model(args, device, dtype):
     """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given.
 
-    Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read (that
-    placement needs accelerate; without it the weights pass through CPU memory first). A local --model that does not
-    exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
+    A built-in name (a folder of configs/: tiny, tiny-qwen3, qwen3-8b, ...) builds that architecture with random
+    weights. Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read
+    (that placement needs accelerate; without it the weights pass through CPU memory first). When they cannot be
+    loaded, a local folder's own config.json (a folder holding only that is a way to try any architecture), or else
+    the built-in config of the Hub id's name, builds the architecture with random weights. A local --model that does
+    not exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
     name = args.model  # "~" already expanded by the parser
-    if name != "tiny":
+    config = None if "/" in name or Path(name).exists() else builtin_config(name)
+    if config is None:
         if is_local_path(name) and not Path(name).is_dir():
             raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
                              f"save_pretrained; a Hub id has the form org/name)")
@@ -302,6 +309,7 @@ def load_model(args, device, dtype):
         try:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=not args.allow_download,
                                                          attn_implementation=args.attn_implementation, **placement)
+            check_attention(model.config, args.attn_implementation)
             return model.to(device), "real"
         except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
             raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
@@ -309,16 +317,19 @@ def load_model(args, device, dtype):
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             if args.strict_weights:
                 raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
-            if not name.rstrip("/").lower().endswith(("llama-3.1-8b", "llama-3.1-8b-instruct")):
-                raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it")
+            local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
+            config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
+            if config is None:
+                raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
+                                 f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
             where = "" if args.allow_download else " offline"
             print(f"weights for {name} not available{where} ({reason}): "
                   f"using the same architecture with RANDOM weights")
-    config = tiny_llama_config() if name == "tiny" else llama31_8b_config()
+    check_attention(config, args.attn_implementation)
     # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
     try:
         with torch.device(device):
-            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
     except ImportError as err:
         raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
     return model, "random"
@@ -809,10 +820,15 @@ def fine_tune(argv=None):
         if not HAS_CUDA:
             raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
         try:
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
         except ImportError as err:
             raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
-        apply_liger_kernel_to_llama(model=model)  # RoPE, RMSNorm, SwiGLU MLP, fused linear cross-entropy
+        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {model.config.model_type} models")
+        # What transformers' Trainer(use_liger_kernel=True) calls: Liger's patch for the model's family (RoPE, RMSNorm,
+        # the gated MLP, the fused linear cross-entropy with the family's softcap).
+        _apply_liger_kernel_to_instance(model=model)
         # Liger patches the module instances' forward and their _get_name() (the class stays): 65 + 32 for 8B.
         replaced["liger_modules"] = sum(m._get_name().startswith("Liger") for m in model.modules())
         info["liger_kernel"] = importlib.metadata.version("liger-kernel")  # the package has no __version__

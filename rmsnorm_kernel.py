@@ -591,6 +591,32 @@ def replace_rmsnorm(model, expected=None):
     return len(replacements)
 
 
+# The RMSNorm class of each supported model family (transformers' config.model_type) and how many a decoder layer
+# holds: one before attention and one before the MLP; Gemma 2 and 3 add one after each; Qwen3 and Gemma 3 normalize
+# each head of q and of k before the rotation (q_norm, k_norm: two more, over head_dim instead of the hidden size).
+RMSNORM_FAMILIES = {"llama": ("LlamaRMSNorm", 2), "mistral": ("MistralRMSNorm", 2), "qwen2": ("Qwen2RMSNorm", 2),
+                    "qwen3": ("Qwen3RMSNorm", 4), "gemma2": ("Gemma2RMSNorm", 4),
+                    "gemma3_text": ("Gemma3RMSNorm", 6), "phi3": ("Phi3RMSNorm", 2)}
+
+
+def apply_rmsnorm(model):
+    """The patch entry point: swaps every RMSNorm of a transformers model of a family in RMSNORM_FAMILIES for a
+    TritonRMSNorm with that family's math (Gemma's offset and fp32 casting for Gemma 2 and 3); returns how many.
+    A model of another family, or one whose count differs from what its config implies (a renamed class, a new kind
+    of layer), raises ValueError before anything is replaced."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in RMSNORM_FAMILIES:
+        raise ValueError(f"apply_rmsnorm: {family or type(model).__name__} models are not supported; supported: "
+                         f"{', '.join(RMSNORM_FAMILIES)}")
+    class_name, per_layer = RMSNORM_FAMILIES[family]
+    expected = per_layer * model.config.num_hidden_layers + 1  # + the final norm
+    found = sum(type(module).__name__ == class_name for module in model.modules())
+    if found != expected:
+        raise ValueError(f"apply_rmsnorm: found {found} {class_name} modules in this {family} model, expected "
+                         f"{expected}")
+    return replace_rmsnorm(model, expected=expected)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # 4. Run as a script
 # ----------------------------------------------------------------------------------------------------------------------

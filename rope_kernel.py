@@ -500,6 +500,43 @@ def llama_attention_count(model):
     return sum(isinstance(module, LlamaAttention) for module in model.modules())
 
 
+# The attention class of each supported model family (transformers' config.model_type). Each family's modeling file
+# has its own module-level copy of apply_rotary_pos_emb, with LLaMA's signature and math, which its attention looks up
+# at call time.
+ROPE_FAMILIES = {"llama": "LlamaAttention", "mistral": "MistralAttention", "qwen2": "Qwen2Attention",
+                 "qwen3": "Qwen3Attention", "gemma2": "Gemma2Attention", "gemma3_text": "Gemma3Attention",
+                 "phi3": "Phi3Attention"}
+
+
+def apply_rope(model):
+    """The patch entry point: makes the attention of a transformers model of a family in ROPE_FAMILIES call the fused
+    kernel; returns how many attention modules now do (one per decoder layer).
+
+    The patch replaces the name `apply_rotary_pos_emb` in the family's modeling module, so it is process-wide: every
+    model of that family in this process, built before or after, uses the kernel (to undo it, assign the original
+    back). A model of another family, an attention count that differs from the config's layer count, an odd head_dim
+    or a partial rotation (partial_rotary_factor < 1) raises ValueError before anything is patched."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in ROPE_FAMILIES:
+        raise ValueError(f"apply_rope: {family or type(model).__name__} models are not supported; supported: "
+                         f"{', '.join(ROPE_FAMILIES)}")
+    attention = [module for module in model.modules() if type(module).__name__ == ROPE_FAMILIES[family]]
+    if len(attention) != config.num_hidden_layers:
+        raise ValueError(f"apply_rope: found {len(attention)} {ROPE_FAMILIES[family]} modules in this {family} model, "
+                         f"expected {config.num_hidden_layers}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % 2:
+        raise ValueError(f"apply_rope: head_dim {head_dim} is odd; RoPE rotates the two halves of each head, so the "
+                         f"fused kernel (like transformers) needs an even head_dim")
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    partial = getattr(config, "partial_rotary_factor", None) or rope_parameters.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"apply_rope: partial_rotary_factor {partial}: the fused kernel rotates whole heads")
+    sys.modules[type(attention[0]).__module__].apply_rotary_pos_emb = apply_rotary_pos_emb
+    return len(attention)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # 4. Run as a script
 # ----------------------------------------------------------------------------------------------------------------------

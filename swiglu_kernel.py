@@ -604,6 +604,35 @@ class TritonGemmaMLP(_TritonGatedMLP):
         return cls._wrap("from_gemma_mlp", "GemmaMLP", mlp)
 
 
+class TritonPhi3MLP(torch.nn.Module):
+    """down_proj(swiglu(gate, up)) with [gate | up] = gate_up_proj(x): Phi3MLP, whose gate and up projections are one
+    Linear of 2 x intermediate outputs, with the elementwise middle fused. The kernel reads the two halves where they
+    lie (each row of one half is strided by 2 x intermediate), so splitting them copies nothing."""
+
+    def __init__(self, gate_up_proj, down_proj):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+
+    @classmethod
+    def from_phi3_mlp(cls, mlp):
+        """Wrap an existing Phi3MLP, REUSING its gate_up_proj/down_proj modules."""
+        for name in ("gate_up_proj", "down_proj", "activation_fn"):
+            if not hasattr(mlp, name):
+                raise TypeError(f"from_phi3_mlp: {type(mlp).__name__} has no '{name}'; expected a Phi3MLP")
+        act_name = type(mlp.activation_fn).__name__
+        if act_name not in TritonLlamaMLP.ACT_CLASS_NAMES:
+            raise ValueError(f"from_phi3_mlp: the fused kernel computes silu(gate) * up, but this MLP's activation_fn "
+                             f"is {act_name} (config.hidden_act must be 'silu')")
+        new = cls(mlp.gate_up_proj, mlp.down_proj)
+        new.train(mlp.training)
+        return new
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        # In place as in _TritonGatedMLP: the halves exist only here (strided halves get fresh gradient buffers).
+        return self.down_proj(_glu(gate, up, "silu", 1.0, inplace_backward=True))
+
+
 def _replace_mlps(who, model, expected, class_names, wrap):
     """Swap every module of model whose class (or a base class: no transformers import needed) is named in
     class_names for wrap(module); returns how many. All targets are collected first (replacing while iterating
@@ -634,6 +663,30 @@ def replace_gemma_mlp(model, expected=None):
     returns how many (see _replace_mlps)."""
     return _replace_mlps("replace_gemma_mlp", model, expected, ("GemmaMLP", "Gemma2MLP", "Gemma3MLP"),
                          TritonGemmaMLP.from_gemma_mlp)
+
+
+# The MLP class of each supported model family (transformers' config.model_type) and how to wrap it: LLaMA's form
+# (silu gate) in LLaMA, Mistral and Qwen; Gemma's (tanh-GELU gate) in Gemma 2 and 3; Phi-3's fused gate_up_proj.
+GLU_MLP_FAMILIES = {"llama": ("LlamaMLP", TritonLlamaMLP.from_llama_mlp),
+                    "mistral": ("MistralMLP", TritonLlamaMLP.from_llama_mlp),
+                    "qwen2": ("Qwen2MLP", TritonLlamaMLP.from_llama_mlp),
+                    "qwen3": ("Qwen3MLP", TritonLlamaMLP.from_llama_mlp),
+                    "gemma2": ("Gemma2MLP", TritonGemmaMLP.from_gemma_mlp),
+                    "gemma3_text": ("Gemma3MLP", TritonGemmaMLP.from_gemma_mlp),
+                    "phi3": ("Phi3MLP", TritonPhi3MLP.from_phi3_mlp)}
+
+
+def apply_glu_mlp(model):
+    """The patch entry point: swaps the MLP of every decoder layer of a transformers model of a family in
+    GLU_MLP_FAMILIES for its fused counterpart, which reuses the MLP's Linear layers; returns how many. A model of
+    another family, or an MLP count other than the config's layer count, raises ValueError before anything is
+    replaced."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in GLU_MLP_FAMILIES:
+        raise ValueError(f"apply_glu_mlp: {family or type(model).__name__} models are not supported; supported: "
+                         f"{', '.join(GLU_MLP_FAMILIES)}")
+    class_name, wrap = GLU_MLP_FAMILIES[family]
+    return _replace_mlps("apply_glu_mlp", model, model.config.num_hidden_layers, (class_name,), wrap)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -160,9 +160,9 @@ def test_optimizer_state_has_one_layout(data, plain_losses, tmp_path, written, r
 def test_resume_refuses_another_model_or_world_size(data, uninterrupted, tmp_path):
     run(command("finetune_baseline.py", data, tmp_path, "--save-steps", "2", steps=2))
     args = finetune_baseline.parse_args(["--model", "tiny", "--output-dir", str(tmp_path), "--resume"])
-    config = finetune_baseline.tiny_llama_config()
+    config = finetune_baseline.builtin_config("tiny")
     config.hidden_size, config.intermediate_size = 96, 160  # another model: other shapes
-    model = finetune_baseline.LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    model = finetune_baseline.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     optimizers = [torch.optim.AdamW(model.parameters())]
     with pytest.raises(SystemExit, match=r"^error: --resume: .*checkpoint-2 \(written for tiny\) does not fit this "
                                          r"model: ") as exit_info:
@@ -182,7 +182,7 @@ def test_resume_without_a_checkpoint_and_a_full_disk_are_one_line(tmp_path, monk
             module.parse_args(["--output-dir", str(tmp_path), "--resume"])
         assert "--resume: no complete checkpoint in" in capsys.readouterr().err
     (tmp_path / "checkpoint-1").mkdir()  # an earlier checkpoint: must survive
-    model = finetune_baseline.LlamaForCausalLM._from_config(finetune_baseline.tiny_llama_config())
+    model = finetune_baseline.AutoModelForCausalLM.from_config(finetune_baseline.builtin_config("tiny"))
     args = finetune_baseline.parse_args(["--model", "tiny", "--output-dir", str(tmp_path), "--save-steps", "1"])
     monkeypatch.setattr(finetune_baseline.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1024))
     with pytest.raises(SystemExit, match=r"^error: checkpoint-2 needs 0\.\d+ GiB and .* has 0\.0 GiB free; the "

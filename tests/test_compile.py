@@ -257,7 +257,8 @@ def patched_tiny_llama():
     """The tiny LLaMA as finetune_optimized.py runs it: fused RMSNorm, SwiGLU MLP and RoPE (the RoPE patch is
     process-wide: restored after the test)."""
     model = tiny_model(finetune_optimized, seed=10)
-    original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
+    original_rope = modeling_llama.apply_rotary_pos_emb
+    assert finetune_optimized.apply_rope(model) == 2
     yield model
     modeling_llama.apply_rotary_pos_emb = original_rope
 

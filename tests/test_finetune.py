@@ -104,8 +104,8 @@ def test_no_swiglu_no_rope_and_synthetic_default(tmp_path):
 
 def tiny_model_with_random_norms(seed):
     torch.manual_seed(seed)
-    model = finetune_optimized.LlamaForCausalLM._from_config(finetune_optimized.tiny_llama_config(),
-                                                             dtype=torch.float32, attn_implementation="sdpa")
+    model = finetune_optimized.AutoModelForCausalLM.from_config(finetune_optimized.builtin_config("tiny"),
+                                                                dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():  # a trained model's norm weights are not all ones; make sure dweight is exercised
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
@@ -132,10 +132,11 @@ def test_optimized_loss_matches_transformers_with_ignored_labels(loss_impl):
     ref_loss, ref_grads = loss_and_grads(lambda: model(input_ids=input_ids, labels=labels).loss, model)
 
     # In place, reusing the same parameters (as the script does); the RoPE patch is process-wide: restored after.
-    assert finetune_optimized.replace_rmsnorm(model, expected=5) == 5
-    assert finetune_optimized.replace_llama_mlp(model, expected=2) == 2
+    assert finetune_optimized.apply_rmsnorm(model) == 5
+    assert finetune_optimized.apply_glu_mlp(model) == 2
     shift_labels = finetune_optimized.shift_labels_of(labels)
-    original_rope = finetune_optimized.patch_llama_rope(model, expected=2)
+    original_rope = modeling_llama.apply_rotary_pos_emb
+    assert finetune_optimized.apply_rope(model) == 2
     try:
         loss, grads = loss_and_grads(
             lambda: finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl)[0], model)
@@ -332,7 +333,7 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 
 # The stock parts both scripts keep as parallel text, so that `diff finetune_baseline.py finetune_optimized.py` shows
 # only what is ours (our machinery exists once, in finetune_optimized.py).
-SHARED = ["git_info", "host_cpu", "run_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model",
+SHARED = ["git_info", "host_cpu", "run_info", "builtin_config", "check_attention", "is_local_path", "load_model",
           "data_error", "data_rows", "load_tokenizer", "load_token_stream", "make_batches", "shift_labels_of",
           "default_out_path", "evaluate", "checkpoints", "save_checkpoint", "resume", "save_final", "write_results",
           "seq_len_search", "init_distributed", "sync", "train"]
@@ -342,11 +343,11 @@ def test_stock_parts_are_parallel_text():
     for name in SHARED:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(finetune_optimized, name)), name
-    for name in ["ROPE_LLAMA3", "DATA_FILE_BUILDERS", "NAMED_OPTIONS", "UNNAMED_OPTIONS", "DTYPES",
+    for name in ["SOFTCAP_ATTENTION", "DATA_FILE_BUILDERS", "NAMED_OPTIONS", "UNNAMED_OPTIONS", "DTYPES",
                  "ATTN_IMPLEMENTATIONS", "LR_SCHEDULERS"]:
         assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
     assert finetune_baseline.ATTN_IMPLEMENTATIONS == profile_baseline.ATTN_IMPLEMENTATIONS
-    for name in ["git_info", "llama31_8b_config", "tiny_llama_config", "is_local_path", "load_model"]:
+    for name in ["git_info", "builtin_config", "check_attention", "is_local_path", "load_model"]:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(profile_baseline, name)), name
 
@@ -372,7 +373,7 @@ def test_token_accuracy_is_the_argmax_hit_rate_of_the_counted_positions(loss_imp
     if loss_impl == "eager":
         _, accuracy = finetune_baseline.compute_loss(model, input_ids, shift_labels, "eager")
     else:
-        assert finetune_optimized.replace_rmsnorm(model, expected=5) == 5
+        assert finetune_optimized.apply_rmsnorm(model) == 5
         _, accuracy = finetune_optimized.compute_loss(model, input_ids, shift_labels, loss_impl)
     assert accuracy.item() == pytest.approx(expected, abs=1e-6)
 

@@ -49,7 +49,8 @@ KERNEL_DTYPE, KERNEL_DTYPE_FLAG = (torch.bfloat16, "bf16") if DEVICE == "cuda" e
 
 def tiny_model(script, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    model = script.LlamaForCausalLM._from_config(script.tiny_llama_config(), dtype=dtype, attn_implementation="sdpa")
+    model = script.AutoModelForCausalLM.from_config(script.builtin_config("tiny"), dtype=dtype,
+                                                   attn_implementation="sdpa")
     with torch.no_grad():  # norm weights that are not all ones, so their gradients are exercised
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -58,8 +59,8 @@ def tiny_model(script, seed=0, dtype=torch.float32):
     model.train()
     model.to(DEVICE)
     if script is finetune_optimized:
-        script.replace_rmsnorm(model, expected=5)
-        script.replace_llama_mlp(model, expected=2)
+        script.apply_rmsnorm(model)
+        script.apply_glu_mlp(model)
     return model
 
 
@@ -67,7 +68,8 @@ def tiny_model(script, seed=0, dtype=torch.float32):
 def rope_patch():
     """The fused RoPE patch is process-wide: install it for one test, then restore transformers' function."""
     original = modeling_llama.apply_rotary_pos_emb
-    finetune_optimized.patch_llama_rope()
+    finetune_optimized.apply_rope(finetune_optimized.AutoModelForCausalLM.from_config(
+        finetune_optimized.builtin_config("tiny")))
     yield
     modeling_llama.apply_rotary_pos_emb = original
 
