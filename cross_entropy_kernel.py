@@ -1350,7 +1350,15 @@ class TritonCrossEntropyLoss(torch.nn.Module):
 #
 # dW precision: dW is kept in the weight's dtype. Each chunk's product is accumulated in fp32 inside cuBLAS and
 # rounded once when added to dW, so a bf16 dW sees one rounding per chunk (N / C roundings in total) instead of the
-# single rounding of eager's one big matmul; the tests measure the effect against eager's own error.
+# single rounding of eager's one big matmul; the tests measure the effect against eager's own error. accum_dtype=
+# torch.float32 (Liger's option) keeps dW in an fp32 buffer instead, rounded to the weight's dtype once at the end,
+# for 4 more bytes per weight element during the call (2 GiB for LLaMA-3-8B's lm_head). db is summed in fp32 always.
+#
+# use_token_scaling (Liger's option) multiplies each row's loss, z-loss and gradient by p, the row's softmax
+# probability of its target (after the softcap), treated as a constant. p must be known before the kernel's gradient
+# pass, so each chunk first gets a loss-only launch without smoothing or class weights, whose loss lse - x_target is
+# -log(p); p times the reduction's scale then becomes a per-row scale of the main launch. One more read of the chunk's
+# logits, and no change to the kernels.
 #
 # Chunk size: the peak above the inputs is dW (1 GiB in bf16 for LLaMA-3-8B's lm_head) + dh + one chunk, and every
 # chunk re-reads and re-writes dW, so the budget trades memory for speed. 192 MiB (768 rows at V = 128256 in bf16) is
@@ -1400,16 +1408,30 @@ def _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, lab
     _check_common_args(who, reduction, label_smoothing)
 
 
+def _check_linear_options(who, accum_dtype, use_token_scaling):
+    """Liger's two options of the linear cross-entropy only (see the notes above)."""
+    if accum_dtype is not None and accum_dtype != torch.float32:
+        kind = TypeError if not isinstance(accum_dtype, torch.dtype) else ValueError
+        raise kind(f"{who}: accum_dtype must be None (dW in the weight's dtype) or torch.float32, got {accum_dtype!r}")
+    if not isinstance(use_token_scaling, bool):
+        raise TypeError(f"{who}: use_token_scaling must be True or False, got {use_token_scaling!r}")
+
+
 def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, scale_stride, want_dh, want_dw,
                                  want_db, chunk_rows, ignore_index, label_smoothing, positive_scale=True,
-                                 extras=_Extras()):
+                                 extras=_Extras(), accum_dtype=None, use_token_scaling=False):
     """The chunk loop. Fills losses [N] (and the extras' outputs) and returns (dh, dW, db) (None where not wanted),
-    scaled by `scale` (positive_scale=False when it is a user's grad_output, which may be <= 0)."""
+    scaled by `scale` (positive_scale=False when it is a user's grad_output, which may be <= 0). accum_dtype and
+    use_token_scaling: see the notes above."""
     n_rows, V = h.shape[0], weight.shape[0]
     compute_grad = want_dh or want_dw or want_db
     dh = torch.empty_like(h) if want_dh else None
-    # dW is written by the first chunk's matmul, so it starts uninitialized (unless there is no chunk at all).
-    dw = (torch.empty_like(weight) if n_rows else torch.zeros_like(weight)) if want_dw else None
+    fp32_dw = want_dw and accum_dtype == torch.float32 and weight.dtype != torch.float32
+    if fp32_dw:
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # every chunk adds to it
+    else:
+        # dW is written by the first chunk's matmul, so it starts uninitialized (unless there is no chunk at all).
+        dw = (torch.empty_like(weight) if n_rows else torch.zeros_like(weight)) if want_dw else None
     db = torch.zeros(V, dtype=torch.float32, device=h.device) if want_db else None
     # One chunk buffer reused by every chunk: allocating a fresh one per chunk would briefly hold two (the new
     # product is allocated before the old name is rebound), one chunk more at the peak.
@@ -1423,22 +1445,66 @@ def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, s
         else:
             torch.mm(h_c, weight.t(), out=logits_c)
         chunk_scale = scale[start:end] if scale_stride else scale
+        chunk_extras = extras.rows(start, end, scale_stride != 0)
+        chunk_scale_stride, chunk_positive_scale = scale_stride, positive_scale
+        if use_token_scaling:
+            probs = _target_probabilities(logits_c, targets_flat[start:end], ignore_index, extras.softcap)
+            chunk_scale = _rows_times(scale, start, end, probs)
+            if extras.z_scale is not None:
+                chunk_extras = chunk_extras._replace(z_scale=_rows_times(extras.z_scale, start, end, probs))
+            # One scale per row now. It is not folded into the exponent (POSITIVE_SCALE): that takes its log2, and a
+            # probability can underflow to 0.
+            chunk_scale_stride, chunk_positive_scale = 1, False
         _launch_cross_entropy(logits_c, targets_flat[start:end], losses[start:end],
-                              logits_c if compute_grad else None, chunk_scale, scale_stride, ignore_index,
-                              label_smoothing, positive_scale, extras=extras.rows(start, end, scale_stride != 0))
+                              logits_c if compute_grad else None, chunk_scale, chunk_scale_stride, ignore_index,
+                              label_smoothing, chunk_positive_scale, extras=chunk_extras)
+        if use_token_scaling:
+            losses[start:end] *= probs
+            if chunk_extras.z_losses is not None:
+                chunk_extras.z_losses.mul_(probs)
         if not compute_grad:
             continue
         dlogits_c = logits_c  # the kernel overwrote the chunk's logits with their gradient
         if want_dh:
             torch.mm(dlogits_c, weight, out=dh[start:end])
-        if want_dw:
+        if fp32_dw:
+            _add_product_in_fp32(dw, dlogits_c.t(), h_c)
+        elif want_dw:
             if start == 0:
                 torch.mm(dlogits_c.t(), h_c, out=dw)
             else:
                 dw.addmm_(dlogits_c.t(), h_c)
         if want_db:
             db += dlogits_c.sum(dim=0, dtype=torch.float32)
+    if fp32_dw:
+        dw = dw.to(weight.dtype)
     return dh, dw, None if db is None else db.to(weight.dtype)
+
+
+def _add_product_in_fp32(acc, a, b):
+    """acc += a @ b for 16-bit a, b and an fp32 acc, without rounding the product to 16 bits. On a GPU, cuBLAS adds
+    its fp32 result straight into acc (addmm's out_dtype, as Liger does); elsewhere (the CPU interpreter, older GPUs)
+    the operands are widened first, exact for 16-bit values but an fp32 copy of the chunk."""
+    if acc.is_cuda and torch.cuda.get_device_capability(acc.device)[0] >= 8:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def _target_probabilities(logits_c, targets_c, ignore_index, softcap):
+    """p = softmax(logits)[target] per row (of the capped logits with a softcap), 0 on ignored rows: token scaling's
+    factor. A loss-only launch without label smoothing or class weights gives lse - x_target = -log(p)."""
+    neg_log_p = torch.empty(targets_c.numel(), dtype=torch.float32, device=logits_c.device)
+    # The scale argument is not read without a gradient: any fp32 tensor will do.
+    _launch_cross_entropy(logits_c, targets_c, neg_log_p, None, neg_log_p, 0, ignore_index, 0.0,
+                          extras=_Extras(softcap=softcap))
+    return torch.where(targets_c != ignore_index, torch.exp(-neg_log_p), 0.0)
+
+
+def _rows_times(scale, start, end, probs):
+    """Rows start..end-1 of a scale (0-dim, or one per row of the whole call, possibly expanded) times probs: one
+    contiguous value per row."""
+    return (scale[start:end] if scale.dim() else scale) * probs
 
 
 def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, extras):
@@ -1452,7 +1518,7 @@ def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, 
 
 
 def _linear_cross_entropy_none_backward(h, weight, bias, targets_flat, grad_output, wants, chunk_rows, ignore_index,
-                                        label_smoothing, extras):
+                                        label_smoothing, extras, accum_dtype=None, use_token_scaling=False):
     """reduction="none"'s backward: (dh, dW, db) from the chunks again, with the per-row grad_output as the kernel's
     scale (it may be <= 0). wants: (want_dh, want_dw, want_db); extras: those that shape the gradient."""
     scale = grad_output.reshape(-1)  # an expanded grad_output (loss.sum().backward()) keeps stride 0: fine
@@ -1460,7 +1526,8 @@ def _linear_cross_entropy_none_backward(h, weight, bias, targets_flat, grad_outp
     if extras.z_losses is not None:
         extras = extras._replace(z_losses=torch.empty_like(scratch_losses), z_scale=scale)
     return _linear_cross_entropy_chunks(h, weight, bias, targets_flat, scratch_losses, scale, scale.stride(0), *wants,
-                                        chunk_rows, ignore_index, label_smoothing, positive_scale=False, extras=extras)
+                                        chunk_rows, ignore_index, label_smoothing, positive_scale=False, extras=extras,
+                                        accum_dtype=accum_dtype, use_token_scaling=use_token_scaling)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -1470,7 +1537,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size,
                 check_targets, want_dh, want_dw, want_db, ce_weight=None, lse_square_scale=0.0, softcap=None,
-                return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+                return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, accum_dtype=None,
+                use_token_scaling=False):
         V = weight.shape[0]
         h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, dict(
             weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
@@ -1479,10 +1547,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.hidden_shape = hidden.shape
         ctx.args = (ignore_index, label_smoothing, chunk_rows)
         ctx.reduction = reduction
+        options = dict(accum_dtype=accum_dtype, use_token_scaling=use_token_scaling)
         if reduction == "none":
             # Gradients need the per-row grad_output: only the losses now, the chunks are recomputed in backward.
             _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, False,
-                                         False, False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras)
+                                         False, False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras,
+                                         **options)
+            ctx.options = options
             ctx.save_for_backward(h, weight, bias, terms.targets_flat)
             ctx.wants = (want_dh, want_dw, want_db)
             # The backward's extras: those that shape the gradient, the per-row grad_output as the z-loss's scale.
@@ -1490,7 +1561,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             ctx.grads = _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0,
                                                      want_dh, want_dw, want_db, chunk_rows, ignore_index,
-                                                     label_smoothing, extras=terms.extras)
+                                                     label_smoothing, extras=terms.extras, **options)
         return _function_output(ctx, terms.result())
 
     @staticmethod
@@ -1499,7 +1570,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             h, weight, bias, targets_flat = ctx.saved_tensors
             ignore_index, label_smoothing, chunk_rows = ctx.args
             dh, dw, db = _linear_cross_entropy_none_backward(h, weight, bias, targets_flat, grad_output, ctx.wants,
-                                                             chunk_rows, ignore_index, label_smoothing, ctx.extras)
+                                                             chunk_rows, ignore_index, label_smoothing, ctx.extras,
+                                                             **ctx.options)
         else:
             if ctx.grads is None:
                 raise RuntimeError("linear_cross_entropy: the fused backward scales its stored gradients in place and "
@@ -1511,7 +1583,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     _scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() == 1 else grad, grad_output)
         if dh is not None:
             dh = dh.view(ctx.hidden_shape)
-        return (dh, dw, db) + (None,) * 15
+        return (dh, dw, db) + (None,) * 17
 
 
 # The custom operators of the linear cross-entropy, as those of `cross_entropy` above: the forward returns the four
@@ -1524,9 +1596,10 @@ def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bias: O
                              chunk_size: Optional[int], check_targets: bool, want_dh: bool, want_dw: bool,
                              want_db: bool, ce_weight: Optional[torch.Tensor], lse_square_scale: float,
                              softcap: Optional[float], return_z_loss: bool, return_token_accuracy: bool,
-                             return_predicted_tokens: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor]:
+                             return_predicted_tokens: bool, accum_dtype: Optional[torch.dtype] = None,
+                             use_token_scaling: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor]:
     """LinearCrossEntropyFunction's forward as an operator: (loss, z_loss, token_accuracy, predicted_tokens, dh, dW,
     db), placeholders for the fields and gradients not asked for (and for every gradient with reduction="none")."""
     V = weight.shape[0]
@@ -1536,7 +1609,8 @@ def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bias: O
     chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
     wants = (want_dh, want_dw, want_db) if reduction != "none" else (False, False, False)
     dh, dw, db = _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, *wants,
-                                              chunk_rows, ignore_index, label_smoothing, extras=terms.extras)
+                                              chunk_rows, ignore_index, label_smoothing, extras=terms.extras,
+                                              accum_dtype=accum_dtype, use_token_scaling=use_token_scaling)
     grads = (None if dh is None else dh.view(hidden.shape), dw, db)
     return *_fields(terms.result(), hidden.device), *(_empty(hidden.device) if g is None else g for g in grads)
 
@@ -1553,7 +1627,7 @@ def _fake_linear_grads(hidden, weight, want_dh, want_dw, want_db):
 @_linear_cross_entropy_op.register_fake
 def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size, check_targets, want_dh,
       want_dw, want_db, ce_weight, lse_square_scale, softcap, return_z_loss, return_token_accuracy,
-      return_predicted_tokens):
+      return_predicted_tokens, accum_dtype=None, use_token_scaling=False):
     grads = reduction != "none"
     return (*_fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens),
             *_fake_linear_grads(hidden, weight, want_dh and grads, want_dw and grads, want_db and grads))
@@ -1564,7 +1638,9 @@ def _linear_cross_entropy_backward_op(hidden: torch.Tensor, weight: torch.Tensor
                                       targets: torch.Tensor, grad_output: torch.Tensor, ignore_index: int,
                                       label_smoothing: float, chunk_size: Optional[int], want_dh: bool, want_dw: bool,
                                       want_db: bool, ce_weight: Optional[torch.Tensor], lse_square_scale: float,
-                                      softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                      softcap: Optional[float], accum_dtype: Optional[torch.dtype] = None,
+                                      use_token_scaling: bool = False
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction="none"'s backward as an operator: (dh, dW, db), placeholders where not wanted."""
     V = weight.shape[0]
     h, terms = _prepare_linear(hidden, targets, "none", ignore_index, False, V, dict(
@@ -1572,25 +1648,26 @@ def _linear_cross_entropy_backward_op(hidden: torch.Tensor, weight: torch.Tensor
     chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
     dh, dw, db = _linear_cross_entropy_none_backward(h, weight, bias, terms.targets_flat, grad_output,
                                                      (want_dh, want_dw, want_db), chunk_rows, ignore_index,
-                                                     label_smoothing, terms.extras)
+                                                     label_smoothing, terms.extras, accum_dtype, use_token_scaling)
     grads = (None if dh is None else dh.view(hidden.shape), dw, db)
     return tuple(_empty(hidden.device) if g is None else g for g in grads)
 
 
 @_linear_cross_entropy_backward_op.register_fake
 def _(hidden, weight, bias, targets, grad_output, ignore_index, label_smoothing, chunk_size, want_dh, want_dw,
-      want_db, ce_weight, lse_square_scale, softcap):
+      want_db, ce_weight, lse_square_scale, softcap, accum_dtype=None, use_token_scaling=False):
     return _fake_linear_grads(hidden, weight, want_dh, want_dw, want_db)
 
 
 def _linear_cross_entropy_setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size, _, want_dh, want_dw, want_db,
-     ce_weight, lse_square_scale, softcap) = inputs[:15]
+     ce_weight, lse_square_scale, softcap, _, _, _, accum_dtype, use_token_scaling) = inputs
     ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient
     ctx.reduction, ctx.wants = reduction, (want_dh, want_dw, want_db)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, bias, targets, ce_weight)
-        ctx.args = (ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap)
+        ctx.args = (ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap, accum_dtype,
+                    use_token_scaling)
     else:
         ctx.save_for_backward(*output[4:])  # dh, dW, db, already scaled for the reduction
 
@@ -1598,16 +1675,16 @@ def _linear_cross_entropy_setup_context(ctx, inputs, output):
 def _linear_cross_entropy_op_backward(ctx, grad_output, *extras_grads):
     if ctx.reduction == "none":
         hidden, weight, bias, targets, ce_weight = ctx.saved_tensors
-        ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap = ctx.args
+        ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap, accum_dtype, use_token_scaling = ctx.args
         grads = torch.ops.playbook.linear_cross_entropy_backward(
             hidden, weight, bias, targets, grad_output, ignore_index, label_smoothing, chunk_size, *ctx.wants,
-            ce_weight, lse_square_scale, softcap)
+            ce_weight, lse_square_scale, softcap, accum_dtype, use_token_scaling)
     else:
         grads = ctx.saved_tensors
         for grad, wanted in zip(grads, ctx.wants):
             if wanted:  # in place, as in _cross_entropy_op_backward: a second backward fails instead of scaling twice
                 torch.ops.playbook.scale_rows_(grad, grad_output)
-    return tuple(grad if wanted else None for grad, wanted in zip(grads, ctx.wants)) + (None,) * 15
+    return tuple(grad if wanted else None for grad, wanted in zip(grads, ctx.wants)) + (None,) * 17
 
 
 _linear_cross_entropy_op.register_autograd(_linear_cross_entropy_op_backward,
@@ -1616,7 +1693,8 @@ _linear_cross_entropy_op.register_autograd(_linear_cross_entropy_op_backward,
 
 def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          chunk_size=None, check_targets=False, *, ce_weight=None, lse_square_scale=0.0, softcap=None,
-                         return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+                         return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
+                         accum_dtype=None, use_token_scaling=False):
     """`F.cross_entropy(F.linear(hidden, weight, bias), targets, ...)` without materializing the [N, V] logits.
 
     hidden [N, H] or [B, T, H]; weight [V, H] (lm_head.weight as stored); bias [V] or None; targets [N] or [B, T].
@@ -1626,6 +1704,10 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
     mean/sum the gradients are computed in this call (its backward only scales them); for "none" the backward
     recomputes the chunks. The extras are those of `cross_entropy`, the class weights named ce_weight (as in Liger's
     fused linear cross-entropy); the token accuracy and predicted tokens come without the logits ever being held.
+    Two more options with Liger's names and meaning: accum_dtype=torch.float32 sums dW over the chunks in fp32 and
+    rounds it to the weight's dtype once (None: in the weight's dtype, one rounding per chunk); use_token_scaling=True
+    multiplies each row's loss, z-loss and gradient by the softmax probability of its target (after the softcap),
+    without a gradient through that factor; "mean" still divides by the non-ignored rows (or their class weights).
     torch.compile traces the call as the operator torch.ops.playbook.linear_cross_entropy.
     """
     _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, label_smoothing)
@@ -1635,6 +1717,7 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
                   return_predicted_tokens=return_predicted_tokens), V=weight.shape[0], device=hidden.device,
                   weight_name="ce_weight")
+    _check_linear_options("linear_cross_entropy", accum_dtype, use_token_scaling)
     grad_enabled = torch.is_grad_enabled()
     want_dh = grad_enabled and hidden.requires_grad
     want_dw = grad_enabled and weight.requires_grad
@@ -1644,34 +1727,38 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
     if torch.compiler.is_compiling():
         fields = torch.ops.playbook.linear_cross_entropy(hidden, weight, bias, targets, ignore_index, reduction,
                                                          label_smoothing, chunk_size, check_targets, want_dh, want_dw,
-                                                         want_db, *extras.values())
+                                                         want_db, *extras.values(), accum_dtype, use_token_scaling)
         return _from_fields(fields[:4], return_z_loss, return_token_accuracy, return_predicted_tokens)
     if want_dh or want_dw or want_db:
         result = LinearCrossEntropyFunction.apply(hidden, weight, bias, targets, ignore_index, reduction,
                                                   label_smoothing, chunk_size, check_targets, want_dh, want_dw,
-                                                  want_db, *extras.values())
+                                                  want_db, *extras.values(), accum_dtype, use_token_scaling)
         return CrossEntropyOutput(*result) if isinstance(result, tuple) else result
     V = weight.shape[0]
     h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, extras)
     chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
     _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, False, False,
-                                 False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras)
+                                 False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras,
+                                 use_token_scaling=use_token_scaling)
     return terms.result()
 
 
 class TritonLinearCrossEntropyLoss(torch.nn.Module):
     """Loss module taking (hidden, weight, targets[, bias]); use it with lm_head.weight instead of calling lm_head.
-    The keyword-only arguments are the extras of `linear_cross_entropy` (ce_weight is a buffer)."""
+    The keyword-only arguments are the extras and options of `linear_cross_entropy` (ce_weight is a buffer), as
+    Liger's LigerFusedLinearCrossEntropyLoss takes them."""
 
     def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk_size=None, check_targets=False,
                  *, ce_weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
-                 return_token_accuracy=False, return_predicted_tokens=False):
+                 return_token_accuracy=False, return_predicted_tokens=False, accum_dtype=None,
+                 use_token_scaling=False):
         super().__init__()
         who = "TritonLinearCrossEntropyLoss"
         _check_common_args(who, reduction, label_smoothing)
         _check_extras(who, ce_weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
                       return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens),
                       weight_name="ce_weight")
+        _check_linear_options(who, accum_dtype, use_token_scaling)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -1683,6 +1770,8 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
         self.return_z_loss = return_z_loss
         self.return_token_accuracy = return_token_accuracy
         self.return_predicted_tokens = return_predicted_tokens
+        self.accum_dtype = accum_dtype
+        self.use_token_scaling = use_token_scaling
 
     def forward(self, hidden, weight, targets, bias=None):
         return linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index, self.reduction,
@@ -1690,12 +1779,14 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
                                     ce_weight=self.ce_weight, lse_square_scale=self.lse_square_scale,
                                     softcap=self.softcap, return_z_loss=self.return_z_loss,
                                     return_token_accuracy=self.return_token_accuracy,
-                                    return_predicted_tokens=self.return_predicted_tokens)
+                                    return_predicted_tokens=self.return_predicted_tokens,
+                                    accum_dtype=self.accum_dtype, use_token_scaling=self.use_token_scaling)
 
     def extra_repr(self):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, chunk_size={self.chunk_size}, "
-                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}")
+                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, accum_dtype={self.accum_dtype}, "
+                f"use_token_scaling={self.use_token_scaling}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -541,6 +541,11 @@ def _bad_input_cases():
         ("linear: softcap", ValueError, lambda: ck.linear_cross_entropy(h, w, t, softcap=0)),
         ("linear module: lse_square_scale", ValueError,
          lambda: ck.TritonLinearCrossEntropyLoss(lse_square_scale=float("nan"))),
+        ("linear: accum_dtype fp16", ValueError, lambda: ck.linear_cross_entropy(h, w, t, accum_dtype=torch.float16)),
+        ("linear: accum_dtype a string", TypeError, lambda: ck.linear_cross_entropy(h, w, t, accum_dtype="float32")),
+        ("linear: use_token_scaling 1", TypeError, lambda: ck.linear_cross_entropy(h, w, t, use_token_scaling=1)),
+        ("linear module: accum_dtype", ValueError,
+         lambda: ck.TritonLinearCrossEntropyLoss(accum_dtype=torch.float64)),
     ] + ([  # on a GPU machine the kernels run on CUDA: CPU tensors must be refused, not sent to a GPU kernel
         ("CPU logits with CUDA kernels", ValueError, lambda: ck.cross_entropy(x.cpu(), t.cpu())),
         ("CPU targets with CUDA logits", ValueError, lambda: ck.cross_entropy(x, t.cpu())),
@@ -848,18 +853,28 @@ RETURN_FLAGS = {"z": "return_z_loss", "acc": "return_token_accuracy", "pred": "r
 
 
 def extras_loss(logits, targets, weight=None, lse_square_scale=0.0, softcap=None, ignore_index=-100,
-                reduction="mean", label_smoothing=0.0):
+                reduction="mean", label_smoothing=0.0, use_token_scaling=False):
     """The extras in PyTorch, differentiable, in the logits' dtype: F.cross_entropy (its own class weights and label
     smoothing) on softcap * tanh(logits / softcap), plus Liger's z-loss (lse_square_scale * logsumexp^2 per
-    non-ignored row, reduced like the loss, unweighted, "mean" over the non-ignored rows). Returns (loss, z_loss,
-    argmax per row or -1 where ignored)."""
+    non-ignored row, reduced like the loss, unweighted, "mean" over the non-ignored rows). use_token_scaling (Liger's
+    linear cross-entropy): each row's cross-entropy and z-loss times p = softmax(capped logits)[target], detached, 0
+    on ignored rows; the means' denominators stay the same. Returns (loss, z_loss, argmax per row or -1 where
+    ignored)."""
     V = logits.shape[-1]
     capped = logits if softcap is None else softcap * torch.tanh(logits / softcap)
     rows, flat_targets = capped.reshape(-1, V), targets.reshape(-1).long()
-    ce = F.cross_entropy(rows, flat_targets, weight=None if weight is None else weight.to(logits.dtype),
-                         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
     valid = flat_targets != ignore_index
+    class_weight = None if weight is None else weight.to(logits.dtype)
+    ce_options = dict(weight=class_weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
     z_rows = torch.where(valid, lse_square_scale * torch.logsumexp(rows, dim=-1) ** 2, 0.0)
+    if use_token_scaling:
+        p = rows.detach().softmax(dim=-1).gather(-1, flat_targets.clamp_min(0)[:, None]).squeeze(-1)
+        p = torch.where(valid, p, 0.0)
+        ce_rows, z_rows = F.cross_entropy(rows, flat_targets, reduction="none", **ce_options) * p, z_rows * p
+        counted = valid.sum() if weight is None else class_weight[flat_targets[valid]].sum()
+        ce = {"mean": ce_rows.sum() / counted, "sum": ce_rows.sum(), "none": ce_rows}[reduction]
+    else:
+        ce = F.cross_entropy(rows, flat_targets, reduction=reduction, **ce_options)
     z_loss = {"mean": z_rows.sum() / valid.sum(), "sum": z_rows.sum(), "none": z_rows}[reduction]
     if reduction == "none":
         ce, z_loss = ce.view(targets.shape), z_loss.view(targets.shape)
@@ -1187,6 +1202,22 @@ LCE_EXTRA_CASES = [
     # (see the test below; a GPU sends chunks of 7 rows to the row kernel)
     case(dtype="bf16", hidden_shape=(2, 9, 24), V=1040, reduction="mean", ignore_frac=0.2, bias=True, chunk_size=7,
          weight=True, lse_square_scale=1e-2, label_smoothing=0.1, returns=("z", "acc", "pred")),
+    # Liger's options: token scaling alone, with every extra, by reduction ("none": the backward's recomputed
+    # chunks scale too), 3-D, a vocabulary that is no multiple of the 256-wide block, the module; fp32 dW accumulation
+    case(dtype="fp32", hidden_shape=(2, 7, 16), V=300, reduction="mean", ignore_frac=0.2, bias=True, chunk_size=5,
+         use_token_scaling=True),
+    case(dtype="bf16", hidden_shape=(24, 16), V=300, reduction="sum", ignore_frac=0.2, chunk_size=7,
+         use_token_scaling=True, accum_dtype=torch.float32, upstream=-1.5),
+    case(dtype="fp32", hidden_shape=(3, 6, 16), V=200, reduction="none", ignore_frac=0.2, bias=True, chunk_size=4,
+         use_token_scaling=True, weight=True, lse_square_scale=1e-2, softcap=4.0, label_smoothing=0.1,
+         returns=("z", "acc")),
+    case(dtype="bf16", hidden_shape=(2, 9, 16), V=520, reduction="mean", ignore_frac=0.25, bias=True, chunk_size=6,
+         use_token_scaling=True, accum_dtype=torch.float32, weight=True, lse_square_scale=1e-2, softcap=5.0,
+         label_smoothing=0.1, returns=("z", "acc", "pred"), use_module=True),
+    case(dtype="bf16", hidden_shape=(2, 8, 16), V=300, reduction="none", ignore_frac=0.2, bias=True, chunk_size=5,
+         accum_dtype=torch.float32, lse_square_scale=1e-2, returns=("z",)),
+    case(dtype="fp32", hidden_shape=(12, 16), V=100, reduction="mean", ignore_frac=1.0, chunk_size=5,
+         use_token_scaling=True, accum_dtype=torch.float32, returns=("z",)),
 ]
 
 
@@ -1198,9 +1229,11 @@ def test_linear_extras_cases_cover_both_kernels_on_the_interpreter():
 
 
 def check_linear_extras(dtype, hidden_shape, V, reduction, ignore_frac, bias=False, chunk_size=None, weight=False,
-                        lse_square_scale=0.0, softcap=None, returns=(), label_smoothing=0.0, use_module=False):
-    """linear_cross_entropy with extras against float64 F.linear + the extras' reference. Predicted tokens are
-    compared on the rows whose two largest float64 logits are further apart than the dtype's matmul rounding."""
+                        lse_square_scale=0.0, softcap=None, returns=(), label_smoothing=0.0, use_module=False,
+                        use_token_scaling=False, accum_dtype=None, upstream=1.0):
+    """linear_cross_entropy with extras and options against float64 F.linear + the extras' reference. Predicted
+    tokens are compared on the rows whose two largest float64 logits are further apart than the dtype's matmul
+    rounding."""
     dtype = DTYPES[dtype]
     H = hidden_shape[-1]
     hidden = torch.randn(hidden_shape, device=DEVICE).to(dtype)
@@ -1213,19 +1246,25 @@ def check_linear_extras(dtype, hidden_shape, V, reduction, ignore_frac, bias=Fal
     if reduction == "none":
         grad_output = torch.randn(hidden_shape[:-1], device=DEVICE)
     else:
-        grad_output = torch.tensor(1.0, device=DEVICE)
+        grad_output = torch.tensor(upstream, device=DEVICE)
 
     def reference(target_dtype):
         leaves = [None if x is None else x.to(target_dtype).requires_grad_() for x in (hidden, lm_weight, bias_values)]
-        loss, z_loss, predicted = extras_loss(F.linear(*leaves), targets, w, lse_square_scale, softcap, **kwargs)
+        loss, z_loss, predicted = extras_loss(F.linear(*leaves), targets, w, lse_square_scale, softcap, **kwargs,
+                                              use_token_scaling=use_token_scaling)
         grads = torch.autograd.grad(loss, [x for x in leaves if x is not None], grad_output.to(target_dtype))
         return loss.detach(), grads, z_loss, predicted
 
     ref_loss, ref_grads, ref_z, ref_predicted = reference(torch.float64)
     eager_loss, eager_grads, eager_z, _ = reference(dtype)
+    # The loss's error is the rounding of the logits (the matmul's output), which eager shares, and then the loss's own
+    # arithmetic: eager's loss is taken in fp32 from its rounded logits (as transformers upcasts them), where a 16-bit
+    # loss would add a rounding of the result that can land it near the float64 value or far from it by chance.
+    eager_loss = extras_loss(F.linear(hidden, lm_weight, bias_values).float(), targets, w, lse_square_scale, softcap,
+                             **kwargs, use_token_scaling=use_token_scaling)[0]
     leaves = [None if x is None else x.clone().requires_grad_() for x in (hidden, lm_weight, bias_values)]
-    extras = dict(ce_weight=w, lse_square_scale=lse_square_scale, softcap=softcap,
-                  **{flag: key in returns for key, flag in RETURN_FLAGS.items()})
+    extras = dict(ce_weight=w, lse_square_scale=lse_square_scale, softcap=softcap, accum_dtype=accum_dtype,
+                  use_token_scaling=use_token_scaling, **{flag: key in returns for key, flag in RETURN_FLAGS.items()})
     if use_module:
         out = ck.TritonLinearCrossEntropyLoss(chunk_size=chunk_size, **kwargs, **extras)(*leaves[:2], targets,
                                                                                          leaves[2])
@@ -1256,6 +1295,67 @@ def check_linear_extras(dtype, hidden_shape, V, reduction, ignore_frac, bias=Fal
                          if k not in ("dtype", "hidden_shape", "V")}}) for c in LCE_EXTRA_CASES])
 def test_linear_extras_match_float64(params):
     check_linear_extras(**params)
+
+
+def test_token_scaling_is_exp_minus_loss():
+    """Without smoothing, class weights or z-loss, a row's loss l = -log(p), so token scaling turns it into l * exp(-l)
+    exactly: the per-row losses with and without the option, against each other (ignored rows stay 0)."""
+    hidden = torch.randn(2, 11, 16, device=DEVICE)
+    weight = torch.randn(300, 16, device=DEVICE) * 0.5
+    targets = make_targets((2, 11), 300, 0.2).to(DEVICE)
+    plain = ck.linear_cross_entropy(hidden, weight, targets, reduction="none", chunk_size=4)
+    scaled = ck.linear_cross_entropy(hidden, weight, targets, reduction="none", chunk_size=4, use_token_scaling=True)
+    assert torch.allclose(scaled, plain * torch.exp(-plain), rtol=1e-5, atol=0)
+    assert torch.all(scaled[targets == -100] == 0) and not torch.allclose(scaled, plain)
+    mean = ck.linear_cross_entropy(hidden, weight, targets, chunk_size=4, use_token_scaling=True)
+    assert torch.allclose(mean, scaled.sum() / (targets != -100).sum(), rtol=1e-6), "mean over the non-ignored rows"
+
+
+def test_linear_accum_dtype_fp32():
+    """bf16 over 32 chunks: dW summed in fp32 and rounded once must be measurably closer to float64 than dW rounded
+    to bf16 after every chunk, and no worse than eager's single matmul. fp32 weights already accumulate in fp32: the
+    option then changes nothing, bit for bit."""
+    N, H, V = 128, 16, 100
+    hidden = torch.randn(N, H, device=DEVICE).to(torch.bfloat16)
+    weight = (torch.randn(V, H, device=DEVICE) / H**0.5).to(torch.bfloat16)
+    targets = make_targets((N,), V, 0.1).to(DEVICE)
+    kwargs = dict(reduction="sum", label_smoothing=0.0)
+    one = torch.tensor(1.0, device=DEVICE)
+
+    def dw_of(dtype, ours=False, **options):
+        h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        if ours:
+            loss = ck.linear_cross_entropy(h, w, targets, chunk_size=4, reduction="sum", **options)
+            return torch.autograd.grad(loss, w)[0]
+        return _linear_ce(h, w, None, targets, one.to(dtype), kwargs)[1][1]
+    ref_dw, eager_dw = dw_of(torch.float64), dw_of(torch.bfloat16)
+    per_chunk, once = dw_of(torch.bfloat16, ours=True), dw_of(torch.bfloat16, ours=True, accum_dtype=torch.float32)
+    assert once.dtype == torch.bfloat16
+    err_per_chunk, err_once = rel_err(per_chunk, ref_dw), rel_err(once, ref_dw)
+    assert err_once < 0.5 * err_per_chunk, f"fp32 accumulation {err_once:.2e} vs per-chunk rounding {err_per_chunk:.2e}"
+    assert_no_worse("dW summed in fp32", err_once, rel_err(eager_dw, ref_dw), GRAD_FLOOR[torch.bfloat16])
+    assert torch.equal(dw_of(torch.float32, ours=True), dw_of(torch.float32, ours=True, accum_dtype=torch.float32))
+
+
+def test_linear_options_compile():
+    """Both options through torch.compile (the custom operators, "none" with its backward operator) give the eager
+    path's loss and gradients bit for bit."""
+    hidden = torch.randn(2, 5, 16, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(200, 16, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    targets = make_targets((2, 5), 200, 0.2).to(DEVICE)
+    grad_output = torch.randn(2, 5, device=DEVICE)
+
+    def loss_and_grads(fn):
+        loss = fn(hidden, weight)
+        return (loss.detach(), *torch.autograd.grad(loss, (hidden, weight), grad_output))
+
+    def fn(h, w):
+        return ck.linear_cross_entropy(h, w, targets, reduction="none", chunk_size=3, accum_dtype=torch.float32,
+                                       use_token_scaling=True)
+    torch._dynamo.reset()
+    compiled = loss_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True))
+    for ours, eager in zip(compiled, loss_and_grads(fn)):
+        assert torch.equal(ours, eager)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
