@@ -16,9 +16,11 @@ replay): `diff finetune_baseline.py finetune_optimized.py` shows exactly that an
     python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 --resume
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
 
-Model: real weights when they can be loaded offline (a Hub id in the local cache or a local folder written by
-save_pretrained; loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights
-(said so in every output); without a GPU a tiny LLaMA of the same structure. Data: random tokens like the playbook, or
+Model: Llama (the default, Llama-3.1-8B), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text) or Phi-3, with real
+weights when they can be loaded offline (a Hub id in the local cache or a local folder written by save_pretrained;
+loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights (said so in every
+output), from the folder's config.json or configs/ (--model qwen3-8b, gemma-2-9b, ...); without a GPU a tiny LLaMA
+(tiny-<family> for the others). Data: random tokens like the playbook, or
 --data: a folder written by save_to_disk, a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the
 --text-field column of its rows is tokenized and packed into --seq-len windows.
 
@@ -79,7 +81,8 @@ def build_parser():
     add = parser.add_argument
     # expanduser here, once: the weights and the tokenizer then read the same folder, also for --model=~/models/x
     add("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
-        help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights (CPU runs)')
+        help='Hub id or local folder (save_pretrained, or just a config.json); a name in configs/ (tiny, '
+             'tiny-<family>, qwen3-8b, gemma-2-9b, ...) builds that architecture with random weights')
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
         help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, softmax, matmul; "

@@ -2,11 +2,12 @@
 
 The playbook's step 11, second half: finetune_baseline.py (the stock reference) plus what is ours, each visible in
 `diff finetune_baseline.py finetune_optimized.py`:
-  1. the fused kernels, each of which --no-<kernel> turns off: every LlamaRMSNorm becomes a TritonRMSNorm sharing the
-     same weight (rmsnorm_kernel.py), every LlamaMLP's silu(gate) * up one fused kernel (swiglu_kernel.py), the rotary
-     embedding of q and k one fused kernel (rope_kernel.py), and the loss the fused linear cross-entropy, fed the
-     decoder's hidden states and lm_head's weight so the [B*T, V] logits never exist (--loss linear_ce; --loss ce is
-     the playbook's fused cross-entropy on the logits, --loss eager transformers' own; cross_entropy_kernel.py);
+  1. the fused kernels, each of which --no-<kernel> turns off: every RMSNorm becomes a TritonRMSNorm sharing the
+     same weight (rmsnorm_kernel.py), every MLP's silu(gate) * up (Gemma's GELU) one fused kernel (swiglu_kernel.py),
+     the rotary embedding of q and k one fused kernel (rope_kernel.py), and the loss the fused linear cross-entropy,
+     fed the decoder's hidden states and lm_head's weight so the [B*T, V] logits never exist (--loss linear_ce;
+     --loss ce is the playbook's fused cross-entropy on the logits, --loss eager transformers' own;
+     cross_entropy_kernel.py);
   2. the memory plan (--memory-plan auto, the default): before the first step it measures what a token costs in one
      short probe forward, estimates the peak of every combination of the memory levers below, and takes the fastest
      that fits this GPU; if a step still runs out of memory it takes the next plan. --memory-plan manual uses the
@@ -22,9 +23,11 @@ Everything else -- model, data, loop, checkpoints, evaluation, JSON -- is the ba
     python finetune_optimized.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05
     python finetune_optimized.py --seq-len-search 65536,131072,262144   # longest batch-1 sequence, a plan per length
 
-Model: real weights when they can be loaded offline (a Hub id in the local cache or a local folder written by
-save_pretrained; loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights
-(said so in every output); without a GPU a tiny LLaMA of the same structure. Data: random tokens like the playbook, or
+Model: Llama (the default, Llama-3.1-8B), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text) or Phi-3, with real
+weights when they can be loaded offline (a Hub id in the local cache or a local folder written by save_pretrained;
+loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights (said so in every
+output), from the folder's config.json or configs/ (--model qwen3-8b, gemma-2-9b, ...); without a GPU a tiny LLaMA
+(tiny-<family> for the others). Data: random tokens like the playbook, or
 --data: a folder written by save_to_disk, a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the
 --text-field column of its rows is tokenized and packed into --seq-len windows.
 
@@ -102,7 +105,8 @@ def build_parser():
     add = parser.add_argument
     # expanduser here, once: the weights and the tokenizer then read the same folder, also for --model=~/models/x
     add("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
-        help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights (CPU runs)')
+        help='Hub id or local folder (save_pretrained, or just a config.json); a name in configs/ (tiny, '
+             'tiny-<family>, qwen3-8b, gemma-2-9b, ...) builds that architecture with random weights')
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
         help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, softmax, matmul; "

@@ -67,8 +67,9 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # expanduser here, once, as the fine-tune scripts do (the shell expands a ~ only at the start of a word)
     parser.add_argument("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
-                        help='Hub id or local folder (save_pretrained); "tiny" = a 2-layer LLaMA with random weights '
-                             '(CPU runs)')
+                        help='Hub id or local folder (save_pretrained, or just a config.json); a name in configs/ '
+                             '(tiny, tiny-<family>, qwen3-8b, gemma-2-9b, ...) builds that architecture with random '
+                             'weights')
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
                         help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, "
