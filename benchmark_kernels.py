@@ -406,7 +406,7 @@ def eager_linear_cross_entropy(h, weight, targets, return_token_accuracy=False):
 
 
 def _ours_linear_cross_entropy(**options):
-    from cross_entropy_kernel import linear_cross_entropy
+    from linear_cross_entropy_kernel import linear_cross_entropy
     return lambda h, weight, targets: _loss_of(linear_cross_entropy(h, weight, targets, **options))
 
 

@@ -21,10 +21,9 @@ At least one read of every logit and one write of every gradient entry: 2 * N * 
 tokens, V = 128256, bf16: 4.2 GB each way). PyTorch's path writes an fp32 log-softmax of all the logits and reads the
 rows several times, and keeps that fp32 copy for the backward (+24 GB at that size). Here the gradient is made in the
 forward pass, so the backward only multiplies it by grad_output (nothing to do when that is 1); each row is read twice
-(pass 1: statistics, pass 2: gradient), the second time mostly from L2. `linear_cross_entropy` runs the same kernel on
-chunks of hidden @ W.T, never holding all the logits. On an H100/H200 the launcher runs, where it pays, a variant that
-keeps the row in shared memory between the passes: cross_entropy_smem_kernel.py, written in Gluon, the next step
-after this file.
+(pass 1: statistics, pass 2: gradient), the second time mostly from L2. On an H100/H200 the launcher runs, where it
+pays, a variant that keeps the row in shared memory between the passes: cross_entropy_smem_kernel.py, written in
+Gluon. linear_cross_entropy_kernel.py runs this launcher on chunks of hidden @ W.T, never holding all the logits.
 
 Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 -------------------------------------------------------------------
@@ -44,7 +43,7 @@ targets outside [0, V) give NaN rows (check_targets=True raises instead); the ba
 place, so it runs once. The shared-memory kernel runs only on compute capability 9.x with a Triton whose Gluon has
 what it uses; every other GPU, and fp32 logits, take the row kernel.
 
-torch.compile traces both losses as custom operators (section 3, as in rmsnorm_kernel.py), extras included;
+torch.compile traces the loss as a custom operator (section 3, as in rmsnorm_kernel.py), extras included;
 inplace_backward=True cannot be compiled (a clear error).
 """
 import contextlib
@@ -79,8 +78,7 @@ def _check_device(who, name, tensor):
 
 
 __all__ = ["cross_entropy", "CrossEntropyFunction", "TritonCrossEntropyLoss", "cross_entropy_forward",
-           "cross_entropy_backward", "linear_cross_entropy", "LinearCrossEntropyFunction",
-           "TritonLinearCrossEntropyLoss", "CrossEntropyOutput", "LCE_CHUNK_BUDGET_BYTES"]
+           "cross_entropy_backward", "CrossEntropyOutput"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -750,18 +748,6 @@ def _on_tensor_device(t):
     return contextlib.nullcontext()
 
 
-def _check_same_device(who, name, tensor, device):
-    if tensor.device != device:
-        raise ValueError(f"{who}: {name} is on {tensor.device} but the logits are on {device}; put them on one device")
-
-
-def _check_targets_dtype(who, targets):
-    """int64 (PyTorch's class-index dtype) or int32. Narrower integers cannot hold ignore_index = -100 next to a
-    128256-word vocabulary, and uint8 would turn -100 into 156, a real class, in the host's comparisons."""
-    if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{who}: targets must be int64 (or int32) class indices, got dtype {targets.dtype}")
-
-
 def _check_common_args(who, reduction, label_smoothing):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{who}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -771,9 +757,10 @@ def _check_common_args(who, reduction, label_smoothing):
         raise ValueError(f"{who}: label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
-def _check_extras(who, weight, lse_square_scale, softcap, return_flags, V=None, device=None, weight_name="weight"):
-    """The extras' arguments (see "Extras" below). V and device, which a module's constructor does not know yet,
-    check the class weights' shape and device; return_flags maps each return_* name to its value."""
+def _check_extras(who, extras, V=None, device=None, weight_name="weight"):
+    """The extras' arguments, a dict of `cross_entropy`'s keywords weight .. return_predicted_tokens (see "Extras"
+    below). V and device, which a module's constructor does not know yet, check the class weights' shape and device."""
+    weight = extras["weight"]
     if weight is not None:
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"{who}: {weight_name} (class weights) must be a torch.Tensor or None, got "
@@ -786,7 +773,8 @@ def _check_extras(who, weight, lse_square_scale, softcap, return_flags, V=None, 
         if device is not None and weight.device != device:
             raise ValueError(f"{who}: {weight_name} (class weights) is on {weight.device}, the other inputs on "
                              f"{device}; put them on one device")
-    for name, value in (("lse_square_scale", lse_square_scale), ("softcap", softcap)):
+    for name in ("lse_square_scale", "softcap"):
+        value = extras[name]
         if name == "softcap" and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -795,9 +783,9 @@ def _check_extras(who, weight, lse_square_scale, softcap, return_flags, V=None, 
         if not low <= value <= high:  # also false for NaN
             raise ValueError(f"{who}: {name} must be in [{low:.3g}, {high:.3g}] (finite in float32"
                              f"{', its square too; None: no softcap' if name == 'softcap' else ''}), got {value}")
-    for name, flag in return_flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{who}: {name} must be True or False, got {flag!r}")
+    for name in ("return_z_loss", "return_token_accuracy", "return_predicted_tokens"):
+        if not isinstance(extras[name], bool):
+            raise TypeError(f"{who}: {name} must be True or False, got {extras[name]!r}")
 
 
 def _check_target_range(who, targets, V, ignore_index):
@@ -810,22 +798,35 @@ def _check_target_range(who, targets, V, ignore_index):
                          f"ignore_index={ignore_index}")
 
 
-def _validate_cross_entropy(who, logits, targets, reduction, label_smoothing):
-    if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        raise TypeError(f"{who}: logits and targets must be torch.Tensor")
-    if logits.dim() not in (2, 3):
-        raise ValueError(f"{who}: logits must be [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
-    if not logits.dtype.is_floating_point:
-        raise TypeError(f"{who}: logits must be floating point, got dtype {logits.dtype}")
-    _check_targets_dtype(who, targets)
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"{who}: targets must have shape {tuple(logits.shape[:-1])} (logits shape without the "
-                         f"vocabulary dim), got {tuple(targets.shape)}")
-    if logits.shape[-1] == 0 and targets.numel() > 0:
-        raise ValueError(f"{who}: the logits' vocabulary (last) dimension has size 0, so no target can be valid")
-    _check_same_device(who, "targets", targets, logits.device)
-    _check_device(who, "logits", logits)
+def _validate_rows(who, rows, targets, reduction, label_smoothing, V=None, name="logits", shapes="[N, V] or [B, T, V]"):
+    """The checks both losses make: `rows` (the logits, or the linear cross-entropy's hidden states) 2-D or 3-D,
+    floating point, where the kernels run; targets of its shape without the last dim, on its device, int64 (PyTorch's
+    class-index dtype) or int32: narrower integers cannot hold ignore_index = -100 next to a 128256-word vocabulary,
+    and uint8 would turn -100 into 156, a real class, in the host's comparisons. V: the vocabulary (by default the
+    last dim of the logits), which must not be empty when there are targets."""
+    if not isinstance(rows, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise TypeError(f"{who}: {name} and targets must be torch.Tensor")
+    if rows.dim() not in (2, 3):
+        raise ValueError(f"{who}: {name} must be {shapes}, got shape {tuple(rows.shape)}")
+    if not rows.dtype.is_floating_point:
+        raise TypeError(f"{who}: {name} must be floating point, got dtype {rows.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{who}: targets must be int64 (or int32) class indices, got dtype {targets.dtype}")
+    if tuple(targets.shape) != tuple(rows.shape[:-1]):
+        raise ValueError(f"{who}: targets must have shape {tuple(rows.shape[:-1])} ({name} shape without the last "
+                         f"dim), got {tuple(targets.shape)}")
+    if (rows.shape[-1] if V is None else V) == 0 and targets.numel() > 0:
+        raise ValueError(f"{who}: the vocabulary has size 0, so no target can be valid")
+    if targets.device != rows.device:
+        raise ValueError(f"{who}: targets is on {targets.device} but {name} is on {rows.device}; put them on one "
+                         f"device")
+    _check_device(who, name, rows)
     _check_common_args(who, reduction, label_smoothing)
+
+
+def _validate_cross_entropy(logits, targets, reduction, label_smoothing, extras):
+    _validate_rows("cross_entropy", logits, targets, reduction, label_smoothing)
+    _check_extras("cross_entropy", extras, V=logits.shape[-1], device=logits.device)
 
 
 def _row_layout(x):
@@ -835,19 +836,19 @@ def _row_layout(x):
     return max(x.shape[0], 1), 0, x.stride(0)
 
 
-# Extras, with Liger-Kernel's names and semantics; each is a constexpr switch of both kernels, so with all of them off
-# the kernels compile to the same code as without them (a None argument becomes a constexpr, not a parameter).
-# - weight, class weights w [V] (PyTorch's rule): a row's loss times w[target]; with label smoothing eps,
-#   (1 - eps) * w[target] * (lse - x[target]) + eps / V * sum_j w_j * (lse - x_j); "mean" divides by the sum of
-#   w[target] over the non-ignored rows. The kernels read w[target] once per row, all of w only with smoothing.
-# - lse_square_scale, the z-loss (PaLM): + lse_square_scale * lse^2 per non-ignored row, added to the loss, its
-#   gradient 2 * lse_square_scale * lse * softmax folded into pass 2. Reduced like the loss but never weighted ("mean"
-#   divides it by the number of non-ignored rows), as Liger does. return_z_loss also returns it alone.
+# Extras, with Liger-Kernel's names and semantics (see `cross_entropy`); each is a constexpr switch of both kernels, so
+# with all of them off the kernels compile to the same code as without them (a None argument becomes a constexpr, not
+# a parameter).
+# - weight, class weights w (PyTorch's rule): with label smoothing eps a row's loss is (1 - eps) * w[target] *
+#   (lse - x[target]) + eps / V * sum_j w_j * (lse - x_j). The kernels read w[target] once per row, all of w only
+#   with smoothing.
+# - lse_square_scale, the z-loss (PaLM): lse_square_scale * lse^2 per non-ignored row; its gradient
+#   2 * lse_square_scale * lse * softmax is folded into pass 2.
 # - softcap (Gemma 2): every logit read becomes softcap * t, t = tanh(logit / softcap), in both passes; the gradient
 #   takes the chain factor 1 - t^2. No extra pass, but a tanh per logit and pass besides the exp2 (see _tanh); the
 #   row kernel keeps its maxima in units of t, so one multiply-add takes t to the exponent (_capped_softmax_update).
 # - return_token_accuracy, return_predicted_tokens: the argmax per row, from the loss's pass over the logits (see
-#   _lane_argmax_update); predicted tokens are -1 on ignored rows.
+#   _lane_argmax_update).
 class _Extras(NamedTuple):
     """One launch's extras, None where off: the kernels' extras arguments."""
     weight: Optional[torch.Tensor] = None  # class weights as the kernels read them (_packed_weight)
@@ -856,13 +857,6 @@ class _Extras(NamedTuple):
     z_scale: Optional[torch.Tensor] = None  # fp32 gradient scale of the z-loss, with the launch's scale_stride
     softcap: Optional[float] = None
     predicted: Optional[torch.Tensor] = None  # [rows] int64, written: argmax per row, -1 on ignored rows
-
-    def rows(self, start, end, per_row_scale):
-        """The extras of rows start..end-1 (a linear cross-entropy chunk); per_row_scale: z_scale has one per row."""
-        def cut(x):
-            return None if x is None else x[start:end]
-        return self._replace(z_losses=cut(self.z_losses), predicted=cut(self.predicted),
-                             z_scale=cut(self.z_scale) if per_row_scale else self.z_scale)
 
 
 _MAX_BLOCK_V = 16384  # the widest chunk of either kernel (fp32 logits on a GPU)
@@ -890,18 +884,23 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     if n_rows == 0:
         return
     compute_grad = grad is not None
-    # Class weights (of any sign) and the z-loss (of the sign of lse) leave the softmax coefficient's sign unknown.
-    positive_scale = positive_scale and extras.weight is None and extras.z_losses is None
-    extra_args = (extras.weight, extras.z_losses, extras.z_scale, extras.predicted, extras.lse_square_scale,
-                  extras.softcap)
     on_gpu = not INTERPRETER
-    extra_switches = dict(HAS_WEIGHT=extras.weight is not None, HAS_Z_LOSS=extras.z_losses is not None,
-                          HAS_SOFTCAP=extras.softcap is not None, TRACK_ARGMAX=extras.predicted is not None,
-                          FAST_TANH=on_gpu and logits.element_size() == 2)
     properties = torch.cuda.get_device_properties(logits.device) if on_gpu else None
     rows_per_batch, stride_b, stride_t = _row_layout(logits)
     grad_rows_per_batch, grad_stride_b, grad_stride_t = _row_layout(grad) if compute_grad else (rows_per_batch, 0, 0)
     assert grad_rows_per_batch == rows_per_batch
+    # Both kernels take these arguments, in this order; without a gradient the row kernel stores nothing through
+    # grad_ptr, which gets the logits as a stand-in.
+    args = (logits, grad if compute_grad else logits, targets_flat, losses, scale, n_rows, V, rows_per_batch, stride_b,
+            stride_t, grad_stride_b, grad_stride_t, targets_flat.stride(0), scale_stride, ignore_index,
+            float(label_smoothing), extras.weight, extras.z_losses, extras.z_scale, extras.predicted,
+            extras.lse_square_scale, extras.softcap)
+    # Class weights (of any sign) and the z-loss (of the sign of lse) leave the softmax coefficient's sign unknown.
+    positive_scale = positive_scale and extras.weight is None and extras.z_losses is None
+    switches = dict(HAS_SMOOTHING=label_smoothing > 0.0, POSITIVE_SCALE=positive_scale, FAST_EXP2=on_gpu,
+                    HAS_WEIGHT=extras.weight is not None, HAS_Z_LOSS=extras.z_losses is not None,
+                    HAS_SOFTCAP=extras.softcap is not None, TRACK_ARGMAX=extras.predicted is not None,
+                    FAST_TANH=on_gpu and logits.element_size() == 2)
     # Triton compiles cp.async's 16-byte form when the base address and the row strides are multiples of 16 bytes
     # (e.g. V = 50257 does not qualify); the interpreter has no such constraint.
     rows_aligned = not on_gpu or (logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
@@ -914,13 +913,8 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
         n_programs = min(n_rows, properties.multi_processor_count if on_gpu else 4)
         with _on_tensor_device(logits):
             _smem_kernel_module()._cross_entropy_smem_kernel[(n_programs,)](
-                logits, grad, targets_flat, losses, scale,
-                n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
-                targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
-                BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
-                HAS_SMOOTHING=label_smoothing > 0.0, POSITIVE_SCALE=positive_scale,
-                FAST_EXP2=on_gpu, NUM_WARPS=num_warps, num_warps=num_warps, **extra_switches,
-            )
+                *args, BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
+                NUM_WARPS=num_warps, num_warps=num_warps, **switches)
         return
     block_v, num_warps, chunks_per_step, maxnreg = _launch_shape(V, logits.element_size(), on_gpu, block_v)
     assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
@@ -928,22 +922,16 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
     n_programs = min(n_rows, _PROGRAMS_PER_SM * properties.multi_processor_count if on_gpu else 4)
     with _on_tensor_device(logits):
         _cross_entropy_kernel[(n_programs,)](
-            logits, grad if compute_grad else logits, targets_flat, losses, scale,
-            n_rows, V, rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t,
-            targets_flat.stride(0), scale_stride, ignore_index, float(label_smoothing), *extra_args,
-            BLOCK_V=block_v, LANE_WIDTH=min(_LANE_WIDTH, block_v), HAS_SMOOTHING=label_smoothing > 0.0,
-            COMPUTE_GRAD=compute_grad, POSITIVE_SCALE=positive_scale, FAST_EXP2=on_gpu,
+            *args, BLOCK_V=block_v, LANE_WIDTH=min(_LANE_WIDTH, block_v), COMPUTE_GRAD=compute_grad,
             CHUNKS_PER_STEP=chunks_per_step, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
-            **extra_switches,
-        )
+            **switches)
 
 
 def _reduction_scale(targets, ignore_index, reduction, weight=None):
-    """(gradient scale as a 0-dim fp32 device tensor, denominator of the mean or None).
-
-    "mean": 1 / denominator, the number of non-ignored targets or, with class weights, the sum of their weights
-    (PyTorch's rule; a target outside [0, V) adds nothing, its row is NaN anyway); inf when it is 0 (every row ignored:
-    no row is then scaled, since ignored rows get zeros). "sum"/"none": 1."""
+    """(gradient scale as a 0-dim fp32 device tensor, denominator of the mean or None). "mean": 1 / denominator, the
+    number of non-ignored targets or, with class weights, the sum of their weights (PyTorch's rule; a target outside
+    [0, V) adds nothing, its row is NaN anyway); inf when it is 0 (every row ignored, and ignored rows are not
+    scaled: they get zeros). "sum"/"none": 1."""
     if reduction != "mean":
         return torch.ones((), dtype=torch.float32, device=targets.device), None
     valid = targets != ignore_index
@@ -1023,24 +1011,19 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean", 
                           lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
                           return_predicted_tokens=False, kernel=None, block_v=None, n_streamed=None, n_ring=None):
     """The launcher, without autograd: returns (loss, grad_logits or None), or (CrossEntropyOutput, grad_logits or
-    None) when a return_* flag is set.
-
-    The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1; with
-    inplace_backward=True it is written into the logits' own storage. weight .. return_predicted_tokens are the extras
-    of `cross_entropy`. The last keyword-only arguments are for tests: kernel="rows" / "smem" forces a kernel,
-    block_v its chunk width, n_streamed and n_ring the shared-memory kernel's schedule (see
-    cross_entropy_smem_kernel._smem_plan); by default the launcher picks (see _pick_smem_plan)."""
-    who = "cross_entropy"
-    _validate_cross_entropy(who, logits, targets, reduction, label_smoothing)
-    _check_extras(who, weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
-                  return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens),
-                  V=logits.shape[-1], device=logits.device)
+    None) when a return_* flag is set. The gradient is already scaled for the reduction (1/n_valid for "mean") as if
+    grad_output were 1; with inplace_backward=True it is written into the logits' own storage. weight ..
+    return_predicted_tokens are the extras of `cross_entropy`. The last keyword-only arguments are for tests: kernel=
+    "rows" / "smem" forces a kernel, block_v its chunk width, n_streamed and n_ring the shared-memory kernel's
+    schedule (see cross_entropy_smem_kernel._smem_plan); by default the launcher picks (see _pick_smem_plan)."""
+    extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+                  return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
+    _validate_cross_entropy(logits, targets, reduction, label_smoothing, extras)
     if check_targets:
-        _check_target_range(who, targets, logits.shape[-1], ignore_index)
+        _check_target_range("cross_entropy", targets, logits.shape[-1], ignore_index)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernel needs unit column stride; any row strides are fine
-    terms = _LossTerms(targets, ignore_index, reduction, logits.device, weight, lse_square_scale, softcap,
-                       return_z_loss, return_token_accuracy, return_predicted_tokens)
+    terms = _LossTerms(targets, ignore_index, reduction, logits.device, **extras)
     grad = None
     if compute_grad:
         grad = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -1075,7 +1058,7 @@ def cross_entropy_backward(grad_logits, grad_output):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 3. Autograd Function, custom operators (torch.compile), functional API, module, model patching
+# 3. Autograd Function, custom operators (torch.compile), functional API, module
 # ----------------------------------------------------------------------------------------------------------------------
 class CrossEntropyOutput(NamedTuple):
     """What `cross_entropy` and `linear_cross_entropy` return when a return_* flag is set (Liger-Kernel's fields);
@@ -1106,12 +1089,10 @@ class CrossEntropyFunction(torch.autograd.Function):
             # some other op saved these logits for its backward, autograd raises its usual "modified by an inplace
             # operation" error instead of silently using the gradient as logits.
             torch.autograd.graph.increment_version(logits)
-        result, grad = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing,
-                                             compute_grad=True, inplace_backward=inplace_backward,
-                                             check_targets=check_targets, weight=weight,
-                                             lse_square_scale=lse_square_scale, softcap=softcap,
-                                             return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                                             return_predicted_tokens=return_predicted_tokens)
+        result, grad = cross_entropy_forward(
+            logits, targets, ignore_index, reduction, label_smoothing, True, inplace_backward, check_targets,
+            weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
         # Kept on ctx (not save_for_backward): in in-place mode it IS the logits, whose version we just bumped.
         # detach() gives a new tensor object over the same memory; once backward drops ctx's reference, autograd
         # holds the only one and can hand the buffer on as the gradient instead of copying it.
@@ -1234,36 +1215,34 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
                   return_token_accuracy=False, return_predicted_tokens=False):
     """`F.cross_entropy(logits, targets, ...)` for class-index targets, fused; returns the loss in fp32.
 
-    logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T], int64 or int32.
-    reduction "mean" (over non-ignored rows), "sum" or "none" (per-row losses in the targets' shape, 0 for ignored
-    rows). Ignored rows get an exactly zero gradient. As in PyTorch, a mean over no rows (every target ignored, or an
-    empty input with N = 0) is NaN, with a zero (or empty) gradient; "sum" gives 0 and "none" an empty tensor.
+    logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T], int64 or int32. reduction "mean" (over
+    non-ignored rows), "sum" or "none" (per-row losses in the targets' shape, 0 for ignored rows, whose gradient is
+    exactly zero). As in PyTorch, a mean over no rows (every target ignored, or N = 0) is NaN, with a zero (or empty)
+    gradient; "sum" gives 0 and "none" an empty tensor.
 
     inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
-    buffer). Contract: after this call the logits tensor holds the gradient, so it must not be used again (fine for
-    lm_head's output: a matmul's backward needs its inputs, not its output; if another op saved the logits for its
-    backward, autograd raises). Logits whose last dimension is not contiguous are copied first (the kernels need unit
-    column stride) and the gradient goes into that copy. Otherwise one gradient buffer of the logits' size is
-    allocated. torch.compile traces the call as the operator torch.ops.playbook.cross_entropy, where
-    inplace_backward=True raises ValueError (an operator with a backward may not overwrite its input).
+    buffer): the logits must not be used after this call (fine for lm_head's output, which a matmul's backward does
+    not need; if another op saved them for its backward, autograd raises). Logits whose last dimension is not
+    contiguous are copied first (the kernels need unit column stride), and the gradient goes into that copy.
+    torch.compile traces the call as the operator torch.ops.playbook.cross_entropy, where inplace_backward=True raises
+    ValueError (an operator with a backward may not overwrite its input).
 
     Targets outside [0, V) other than ignore_index are never used as addresses; their rows' loss and gradient are NaN.
     check_targets=True validates them on the host first and raises ValueError (a device sync: a debug mode).
 
-    Extras (Liger-Kernel's names and meaning; see "Extras" in section 2):
-    - weight: class weights [V], floating point (used in fp32), on the logits' device: PyTorch's `weight`, with label
-      smoothing and "mean" (divided by the sum of w[target] over non-ignored rows) as in F.cross_entropy. No gradient
-      flows to them.
-    - lse_square_scale >= 0: adds the z-loss lse_square_scale * logsumexp(logits)^2 of each non-ignored row to the
-      loss (unweighted; "mean" divides it by the number of non-ignored rows).
+    Extras (Liger-Kernel's names and meaning; how the kernels compute them: "Extras" in section 2):
+    - weight: class weights [V], floating point (used in fp32), on the logits' device, as F.cross_entropy's `weight`
+      (with label smoothing, and "mean" dividing by the sum of w[target] over non-ignored rows); no gradient.
+    - lse_square_scale >= 0: adds the z-loss lse_square_scale * logsumexp(logits)^2 of each non-ignored row,
+      unweighted ("mean" divides it by the number of non-ignored rows).
     - softcap > 0 or None: the loss sees softcap * tanh(logits / softcap) instead of the logits.
     - return_z_loss, return_token_accuracy, return_predicted_tokens: the result is then a CrossEntropyOutput(loss,
       z_loss, token_accuracy, predicted_tokens), fields not asked for None, only `loss` differentiable. z_loss is
-      reduced as the loss (per row for "none"); it is part of `loss` too. token_accuracy is the fraction of
-      non-ignored rows whose argmax is the target for "mean" and "sum" (NaN when no row counts, as 0 / 0), one 1.0 /
-      0.0 per row for "none" (0.0 on ignored rows). predicted_tokens: the argmax of each row (int64, the targets'
-      shape; -1 on ignored rows, whatever ignore_index), the lowest column among equal maxima as torch.argmax,
-      taken after the softcap (which can make large logits equal); undefined for rows with NaN logits.
+      reduced as the loss, which includes it. token_accuracy: the fraction of non-ignored rows whose argmax is the
+      target ("mean", "sum"; NaN when no row counts, as 0 / 0), or 1.0 / 0.0 per row ("none"; 0.0 on ignored rows).
+      predicted_tokens: each row's argmax (int64, the targets' shape, -1 on ignored rows, whatever ignore_index), the
+      lowest column among equal maxima as torch.argmax, after the softcap (which can make large logits equal);
+      undefined for rows with NaN logits.
     """
     extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
@@ -1274,10 +1253,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
         if inplace_backward:
             _refuse_compiled_inplace_backward()
         # Checked here, not in the operator: its schema would turn a flag of 1 into True without a word.
-        _validate_cross_entropy("cross_entropy", logits, targets, reduction, label_smoothing)
-        _check_extras("cross_entropy", weight, lse_square_scale, softcap, dict(
-                      return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                      return_predicted_tokens=return_predicted_tokens), V=logits.shape[-1], device=logits.device)
+        _validate_cross_entropy(logits, targets, reduction, label_smoothing, extras)
         fields = torch.ops.playbook.cross_entropy(logits, targets, ignore_index, reduction, label_smoothing,
                                                   compute_grad, check_targets, *extras.values())
         return _from_fields(fields[:4], return_z_loss, return_token_accuracy, return_predicted_tokens)
@@ -1290,503 +1266,41 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     return result
 
 
-class TritonCrossEntropyLoss(torch.nn.Module):
+class _LossModule(torch.nn.Module):
+    """What both loss modules share: the constructor's options become attributes (the class weights a buffer, so
+    that they move with .to()), and each call hands them to the functional loss as keyword arguments."""
+
+    def __init__(self, weight_name, weight, options):
+        super().__init__()
+        self.register_buffer(weight_name, weight)
+        for name, value in options.items():
+            setattr(self, name, value)
+        self._option_names = (*options, weight_name)
+
+    def _options(self):
+        return {name: getattr(self, name) for name in self._option_names}
+
+    def extra_repr(self):
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in self._option_names[:-1])
+
+
+class TritonCrossEntropyLoss(_LossModule):
     """Drop-in for `nn.CrossEntropyLoss` (class-index targets) and Liger's LigerCrossEntropyLoss, backed by
-    `cross_entropy`; the keyword-only arguments are its extras. The class weights are a buffer (they move with
-    .to())."""
+    `cross_entropy`; the keyword-only arguments are its extras."""
 
     def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False,
                  check_targets=False, *, weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
                  return_token_accuracy=False, return_predicted_tokens=False):
-        super().__init__()
-        who = "TritonCrossEntropyLoss"
-        _check_common_args(who, reduction, label_smoothing)
-        _check_extras(who, weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
-                      return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens))
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.inplace_backward = inplace_backward
-        self.check_targets = check_targets
-        self.register_buffer("weight", weight)
-        self.lse_square_scale = lse_square_scale
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
-        self.return_token_accuracy = return_token_accuracy
-        self.return_predicted_tokens = return_predicted_tokens
+        extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+                      return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
+        _check_common_args("TritonCrossEntropyLoss", reduction, label_smoothing)
+        _check_extras("TritonCrossEntropyLoss", extras)
+        super().__init__("weight", extras.pop("weight"), dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            inplace_backward=inplace_backward, check_targets=check_targets, **extras))
 
     def forward(self, logits, targets):
-        return cross_entropy(logits, targets, self.ignore_index, self.reduction, self.label_smoothing,
-                             self.inplace_backward, self.check_targets, weight=self.weight,
-                             lse_square_scale=self.lse_square_scale, softcap=self.softcap,
-                             return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy,
-                             return_predicted_tokens=self.return_predicted_tokens)
-
-    def extra_repr(self):
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, inplace_backward={self.inplace_backward}, "
-                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Linear cross-entropy: loss(hidden @ weight.T + bias, targets) without the [N, V] logits
-# ----------------------------------------------------------------------------------------------------------------------
-# The lm_head matmul turns hidden [N, H] into logits [N, V]; at N = 16384, V = 128256 those are 4.2 GB in bf16, plus
-# the same again for their gradient. We instead walk the tokens in chunks of C rows; per chunk:
-#
-#     logits_c  = h_c @ W.T (+ b)                  cuBLAS (torch.mm/addmm), C x V values, the only big buffer
-#     logits_c <- dlogits_c                        the fused kernel above, IN PLACE, already scaled by 1/n_valid
-#     dh[c]     = dlogits_c @ W                    written straight into the preallocated dh (mm out=)
-#     dW       += dlogits_c.T @ h_c                addmm into dW in place (the first chunk writes it: no zero-fill)
-#     db       += sum over rows of dlogits_c       fp32 accumulator
-#
-# so the whole loss AND all gradients are computed in the forward (Liger's approach); the backward only multiplies
-# dh/dW/db by grad_output with the device-side scale kernel, a no-op when it is 1. The FLOPs are those of eager
-# (three matmuls); the extra memory is one chunk of logits plus the gradients themselves.
-#
-# reduction="none" is different: the gradient of each row's loss is weighted by its own grad_output, which dW mixes
-# across rows, so it cannot be applied afterwards. Then the forward computes only the losses and the backward redoes
-# the chunks with the per-row grad_output as the kernel's scale (one extra logits matmul).
-#
-# dW precision: dW is kept in the weight's dtype. Each chunk's product is accumulated in fp32 inside cuBLAS and
-# rounded once when added to dW, so a bf16 dW sees one rounding per chunk (N / C roundings in total) instead of the
-# single rounding of eager's one big matmul; the tests measure the effect against eager's own error. accum_dtype=
-# torch.float32 (Liger's option) keeps dW in an fp32 buffer instead, rounded to the weight's dtype once at the end,
-# for 4 more bytes per weight element during the call (2 GiB for LLaMA-3-8B's lm_head). db is summed in fp32 always.
-#
-# use_token_scaling (Liger's option) multiplies each row's loss, z-loss and gradient by p, the row's softmax
-# probability of its target (after the softcap), treated as a constant. p must be known before the kernel's gradient
-# pass, so each chunk first gets a loss-only launch without smoothing or class weights, whose loss lse - x_target is
-# -log(p); p times the reduction's scale then becomes a per-row scale of the main launch. One more read of the chunk's
-# logits, and no change to the kernels.
-#
-# Chunk size: the peak above the inputs is dW (1 GiB in bf16 for LLaMA-3-8B's lm_head) + dh + one chunk, and every
-# chunk re-reads and re-writes dW, so the budget trades memory for speed. 192 MiB (768 rows at V = 128256 in bf16) is
-# the largest chunk that keeps the peak under 1.3 GiB (measured on an H200, see results/NOTES.md).
-LCE_CHUNK_BUDGET_BYTES = 192 * 2**20
-
-
-def _lce_chunk_rows(n_rows, V, itemsize, chunk_size):
-    if chunk_size is not None:
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise ValueError(f"linear_cross_entropy: chunk_size must be a positive int, got {chunk_size!r}")
-        return max(1, min(chunk_size, n_rows))
-    rows = LCE_CHUNK_BUDGET_BYTES // (V * itemsize)
-    rows = max(64, rows // 64 * 64)  # a multiple of 64 keeps the matmul tiles full
-    return max(1, min(rows, n_rows))
-
-
-def _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, label_smoothing):
-    who = "linear_cross_entropy"
-    for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{who}: {name} must be a torch.Tensor")
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"{who}: hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"{who}: weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}")
-    if weight.shape[0] == 0 and targets.numel() > 0:
-        raise ValueError(f"{who}: weight has 0 rows (a vocabulary of size 0), so no target can be valid")
-    if not hidden.dtype.is_floating_point:
-        raise TypeError(f"{who}: hidden must be floating point, got dtype {hidden.dtype}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"{who}: weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"{who}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"{who}: bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"{who}: bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
-    _check_targets_dtype(who, targets)
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{who}: targets must have shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
-    for name, tensor in (("weight", weight), ("targets", targets), ("bias", bias)):
-        if tensor is not None and tensor.device != hidden.device:
-            raise ValueError(f"{who}: {name} is on {tensor.device} but hidden is on {hidden.device}")
-    _check_device(who, "hidden", hidden)
-    _check_common_args(who, reduction, label_smoothing)
-
-
-def _check_linear_options(who, accum_dtype, use_token_scaling):
-    """Liger's two options of the linear cross-entropy only (see the notes above)."""
-    if accum_dtype is not None and accum_dtype != torch.float32:
-        kind = TypeError if not isinstance(accum_dtype, torch.dtype) else ValueError
-        raise kind(f"{who}: accum_dtype must be None (dW in the weight's dtype) or torch.float32, got {accum_dtype!r}")
-    if not isinstance(use_token_scaling, bool):
-        raise TypeError(f"{who}: use_token_scaling must be True or False, got {use_token_scaling!r}")
-
-
-def _linear_cross_entropy_chunks(h, weight, bias, targets_flat, losses, scale, scale_stride, want_dh, want_dw,
-                                 want_db, chunk_rows, ignore_index, label_smoothing, positive_scale=True,
-                                 extras=_Extras(), accum_dtype=None, use_token_scaling=False):
-    """The chunk loop. Fills losses [N] (and the extras' outputs) and returns (dh, dW, db) (None where not wanted),
-    scaled by `scale` (positive_scale=False when it is a user's grad_output, which may be <= 0). accum_dtype and
-    use_token_scaling: see the notes above."""
-    n_rows, V = h.shape[0], weight.shape[0]
-    compute_grad = want_dh or want_dw or want_db
-    dh = torch.empty_like(h) if want_dh else None
-    fp32_dw = want_dw and accum_dtype == torch.float32 and weight.dtype != torch.float32
-    if fp32_dw:
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # every chunk adds to it
-    else:
-        # dW is written by the first chunk's matmul, so it starts uninitialized (unless there is no chunk at all).
-        dw = (torch.empty_like(weight) if n_rows else torch.zeros_like(weight)) if want_dw else None
-    db = torch.zeros(V, dtype=torch.float32, device=h.device) if want_db else None
-    # One chunk buffer reused by every chunk: allocating a fresh one per chunk would briefly hold two (the new
-    # product is allocated before the old name is rebound), one chunk more at the peak.
-    logits_buffer = torch.empty((min(chunk_rows, n_rows), V), dtype=h.dtype, device=h.device)
-    for start in range(0, n_rows, chunk_rows):
-        end = min(start + chunk_rows, n_rows)
-        h_c = h[start:end]
-        logits_c = logits_buffer[:end - start]
-        if bias is not None:
-            torch.addmm(bias, h_c, weight.t(), out=logits_c)
-        else:
-            torch.mm(h_c, weight.t(), out=logits_c)
-        chunk_scale = scale[start:end] if scale_stride else scale
-        chunk_extras = extras.rows(start, end, scale_stride != 0)
-        chunk_scale_stride, chunk_positive_scale = scale_stride, positive_scale
-        if use_token_scaling:
-            probs = _target_probabilities(logits_c, targets_flat[start:end], ignore_index, extras.softcap)
-            chunk_scale = _rows_times(scale, start, end, probs)
-            if extras.z_scale is not None:
-                chunk_extras = chunk_extras._replace(z_scale=_rows_times(extras.z_scale, start, end, probs))
-            # One scale per row now. It is not folded into the exponent (POSITIVE_SCALE): that takes its log2, and a
-            # probability can underflow to 0.
-            chunk_scale_stride, chunk_positive_scale = 1, False
-        _launch_cross_entropy(logits_c, targets_flat[start:end], losses[start:end],
-                              logits_c if compute_grad else None, chunk_scale, chunk_scale_stride, ignore_index,
-                              label_smoothing, chunk_positive_scale, extras=chunk_extras)
-        if use_token_scaling:
-            losses[start:end] *= probs
-            if chunk_extras.z_losses is not None:
-                chunk_extras.z_losses.mul_(probs)
-        if not compute_grad:
-            continue
-        dlogits_c = logits_c  # the kernel overwrote the chunk's logits with their gradient
-        if want_dh:
-            torch.mm(dlogits_c, weight, out=dh[start:end])
-        if fp32_dw:
-            _add_product_in_fp32(dw, dlogits_c.t(), h_c)
-        elif want_dw:
-            if start == 0:
-                torch.mm(dlogits_c.t(), h_c, out=dw)
-            else:
-                dw.addmm_(dlogits_c.t(), h_c)
-        if want_db:
-            db += dlogits_c.sum(dim=0, dtype=torch.float32)
-    if fp32_dw:
-        dw = dw.to(weight.dtype)
-    return dh, dw, None if db is None else db.to(weight.dtype)
-
-
-def _add_product_in_fp32(acc, a, b):
-    """acc += a @ b for 16-bit a, b and an fp32 acc, without rounding the product to 16 bits. On a GPU, cuBLAS adds
-    its fp32 result straight into acc (addmm's out_dtype, as Liger does); elsewhere (the CPU interpreter, older GPUs)
-    the operands are widened first, exact for 16-bit values but an fp32 copy of the chunk."""
-    if acc.is_cuda and torch.cuda.get_device_capability(acc.device)[0] >= 8:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
-
-
-def _target_probabilities(logits_c, targets_c, ignore_index, softcap):
-    """p = softmax(logits)[target] per row (of the capped logits with a softcap), 0 on ignored rows: token scaling's
-    factor. A loss-only launch without label smoothing or class weights gives lse - x_target = -log(p)."""
-    neg_log_p = torch.empty(targets_c.numel(), dtype=torch.float32, device=logits_c.device)
-    # The scale argument is not read without a gradient: any fp32 tensor will do.
-    _launch_cross_entropy(logits_c, targets_c, neg_log_p, None, neg_log_p, 0, ignore_index, 0.0,
-                          extras=_Extras(softcap=softcap))
-    return torch.where(targets_c != ignore_index, torch.exp(-neg_log_p), 0.0)
-
-
-def _rows_times(scale, start, end, probs):
-    """Rows start..end-1 of a scale (0-dim, or one per row of the whole call, possibly expanded) times probs: one
-    contiguous value per row."""
-    return (scale[start:end] if scale.dim() else scale) * probs
-
-
-def _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, extras):
-    """(hidden as [N, H] with unit last stride, the call's _LossTerms); extras: the extras' keyword arguments."""
-    if check_targets:
-        _check_target_range("linear_cross_entropy", targets, V, ignore_index)
-    h = hidden.reshape(-1, hidden.shape[-1])
-    if h.stride(-1) != 1:
-        h = h.contiguous()
-    return h, _LossTerms(targets, ignore_index, reduction, hidden.device, **extras)
-
-
-def _linear_cross_entropy_none_backward(h, weight, bias, targets_flat, grad_output, wants, chunk_rows, ignore_index,
-                                        label_smoothing, extras, accum_dtype=None, use_token_scaling=False):
-    """reduction="none"'s backward: (dh, dW, db) from the chunks again, with the per-row grad_output as the kernel's
-    scale (it may be <= 0). wants: (want_dh, want_dw, want_db); extras: those that shape the gradient."""
-    scale = grad_output.reshape(-1)  # an expanded grad_output (loss.sum().backward()) keeps stride 0: fine
-    scratch_losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-    if extras.z_losses is not None:
-        extras = extras._replace(z_losses=torch.empty_like(scratch_losses), z_scale=scale)
-    return _linear_cross_entropy_chunks(h, weight, bias, targets_flat, scratch_losses, scale, scale.stride(0), *wants,
-                                        chunk_rows, ignore_index, label_smoothing, positive_scale=False, extras=extras,
-                                        accum_dtype=accum_dtype, use_token_scaling=use_token_scaling)
-
-
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Forward: loss and all gradients, chunk by chunk (mean/sum), or the losses only ("none"). Backward: scales the
-    stored gradients by grad_output, or ("none") recomputes the chunks with the per-row grad_output as the scale."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size,
-                check_targets, want_dh, want_dw, want_db, ce_weight=None, lse_square_scale=0.0, softcap=None,
-                return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, accum_dtype=None,
-                use_token_scaling=False):
-        V = weight.shape[0]
-        h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, dict(
-            weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-            return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens))
-        chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
-        ctx.hidden_shape = hidden.shape
-        ctx.args = (ignore_index, label_smoothing, chunk_rows)
-        ctx.reduction = reduction
-        options = dict(accum_dtype=accum_dtype, use_token_scaling=use_token_scaling)
-        if reduction == "none":
-            # Gradients need the per-row grad_output: only the losses now, the chunks are recomputed in backward.
-            _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, False,
-                                         False, False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras,
-                                         **options)
-            ctx.options = options
-            ctx.save_for_backward(h, weight, bias, terms.targets_flat)
-            ctx.wants = (want_dh, want_dw, want_db)
-            # The backward's extras: those that shape the gradient, the per-row grad_output as the z-loss's scale.
-            ctx.extras = terms.extras._replace(predicted=None)
-        else:
-            ctx.grads = _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0,
-                                                     want_dh, want_dw, want_db, chunk_rows, ignore_index,
-                                                     label_smoothing, extras=terms.extras, **options)
-        return _function_output(ctx, terms.result())
-
-    @staticmethod
-    def backward(ctx, grad_output, *extras_grads):  # the extras (z_loss, accuracy, predicted) pass no gradient on
-        if ctx.reduction == "none":
-            h, weight, bias, targets_flat = ctx.saved_tensors
-            ignore_index, label_smoothing, chunk_rows = ctx.args
-            dh, dw, db = _linear_cross_entropy_none_backward(h, weight, bias, targets_flat, grad_output, ctx.wants,
-                                                             chunk_rows, ignore_index, label_smoothing, ctx.extras,
-                                                             **ctx.options)
-        else:
-            if ctx.grads is None:
-                raise RuntimeError("linear_cross_entropy: the fused backward scales its stored gradients in place and "
-                                   "can run once; recompute the loss instead of using retain_graph=True")
-            dh, dw, db = ctx.grads
-            ctx.grads = None
-            for grad in (dh, dw, db):
-                if grad is not None:
-                    _scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() == 1 else grad, grad_output)
-        if dh is not None:
-            dh = dh.view(ctx.hidden_shape)
-        return (dh, dw, db) + (None,) * 17
-
-
-# The custom operators of the linear cross-entropy, as those of `cross_entropy` above: the forward returns the four
-# CrossEntropyOutput fields and dh, dW, db, already scaled for the reduction; the backward scales them in place by
-# grad_output (playbook::scale_rows_). reduction="none" computes no gradient in the forward: its backward operator
-# recomputes the chunks with the per-row grad_output.
-@torch.library.custom_op("playbook::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             targets: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-                             chunk_size: Optional[int], check_targets: bool, want_dh: bool, want_dw: bool,
-                             want_db: bool, ce_weight: Optional[torch.Tensor], lse_square_scale: float,
-                             softcap: Optional[float], return_z_loss: bool, return_token_accuracy: bool,
-                             return_predicted_tokens: bool, accum_dtype: Optional[torch.dtype] = None,
-                             use_token_scaling: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor]:
-    """LinearCrossEntropyFunction's forward as an operator: (loss, z_loss, token_accuracy, predicted_tokens, dh, dW,
-    db), placeholders for the fields and gradients not asked for (and for every gradient with reduction="none")."""
-    V = weight.shape[0]
-    h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, dict(
-        weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-        return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens))
-    chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
-    wants = (want_dh, want_dw, want_db) if reduction != "none" else (False, False, False)
-    dh, dw, db = _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, *wants,
-                                              chunk_rows, ignore_index, label_smoothing, extras=terms.extras,
-                                              accum_dtype=accum_dtype, use_token_scaling=use_token_scaling)
-    grads = (None if dh is None else dh.view(hidden.shape), dw, db)
-    return *_fields(terms.result(), hidden.device), *(_empty(hidden.device) if g is None else g for g in grads)
-
-
-def _fake_linear_grads(hidden, weight, want_dh, want_dw, want_db):
-    """Empty (dh, dW, db) as _linear_cross_entropy_chunks allocates them, placeholders where not wanted (one each:
-    outputs that are one tensor would alias each other, which the real operator's never do)."""
-    device = hidden.device
-    return (torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if want_dh else _empty(device),
-            torch.empty_like(weight) if want_dw else _empty(device),
-            torch.empty(weight.shape[0], dtype=weight.dtype, device=device) if want_db else _empty(device))
-
-
-@_linear_cross_entropy_op.register_fake
-def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size, check_targets, want_dh,
-      want_dw, want_db, ce_weight, lse_square_scale, softcap, return_z_loss, return_token_accuracy,
-      return_predicted_tokens, accum_dtype=None, use_token_scaling=False):
-    grads = reduction != "none"
-    return (*_fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens),
-            *_fake_linear_grads(hidden, weight, want_dh and grads, want_dw and grads, want_db and grads))
-
-
-@torch.library.custom_op("playbook::linear_cross_entropy_backward", mutates_args=())
-def _linear_cross_entropy_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                      targets: torch.Tensor, grad_output: torch.Tensor, ignore_index: int,
-                                      label_smoothing: float, chunk_size: Optional[int], want_dh: bool, want_dw: bool,
-                                      want_db: bool, ce_weight: Optional[torch.Tensor], lse_square_scale: float,
-                                      softcap: Optional[float], accum_dtype: Optional[torch.dtype] = None,
-                                      use_token_scaling: bool = False
-                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reduction="none"'s backward as an operator: (dh, dW, db), placeholders where not wanted."""
-    V = weight.shape[0]
-    h, terms = _prepare_linear(hidden, targets, "none", ignore_index, False, V, dict(
-        weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap))
-    chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
-    dh, dw, db = _linear_cross_entropy_none_backward(h, weight, bias, terms.targets_flat, grad_output,
-                                                     (want_dh, want_dw, want_db), chunk_rows, ignore_index,
-                                                     label_smoothing, terms.extras, accum_dtype, use_token_scaling)
-    grads = (None if dh is None else dh.view(hidden.shape), dw, db)
-    return tuple(_empty(hidden.device) if g is None else g for g in grads)
-
-
-@_linear_cross_entropy_backward_op.register_fake
-def _(hidden, weight, bias, targets, grad_output, ignore_index, label_smoothing, chunk_size, want_dh, want_dw,
-      want_db, ce_weight, lse_square_scale, softcap, accum_dtype=None, use_token_scaling=False):
-    return _fake_linear_grads(hidden, weight, want_dh, want_dw, want_db)
-
-
-def _linear_cross_entropy_setup_context(ctx, inputs, output):
-    (hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, chunk_size, _, want_dh, want_dw, want_db,
-     ce_weight, lse_square_scale, softcap, _, _, _, accum_dtype, use_token_scaling) = inputs
-    ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient
-    ctx.reduction, ctx.wants = reduction, (want_dh, want_dw, want_db)
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, bias, targets, ce_weight)
-        ctx.args = (ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap, accum_dtype,
-                    use_token_scaling)
-    else:
-        ctx.save_for_backward(*output[4:])  # dh, dW, db, already scaled for the reduction
-
-
-def _linear_cross_entropy_op_backward(ctx, grad_output, *extras_grads):
-    if ctx.reduction == "none":
-        hidden, weight, bias, targets, ce_weight = ctx.saved_tensors
-        ignore_index, label_smoothing, chunk_size, lse_square_scale, softcap, accum_dtype, use_token_scaling = ctx.args
-        grads = torch.ops.playbook.linear_cross_entropy_backward(
-            hidden, weight, bias, targets, grad_output, ignore_index, label_smoothing, chunk_size, *ctx.wants,
-            ce_weight, lse_square_scale, softcap, accum_dtype, use_token_scaling)
-    else:
-        grads = ctx.saved_tensors
-        for grad, wanted in zip(grads, ctx.wants):
-            if wanted:  # in place, as in _cross_entropy_op_backward: a second backward fails instead of scaling twice
-                torch.ops.playbook.scale_rows_(grad, grad_output)
-    return tuple(grad if wanted else None for grad, wanted in zip(grads, ctx.wants)) + (None,) * 17
-
-
-_linear_cross_entropy_op.register_autograd(_linear_cross_entropy_op_backward,
-                                           setup_context=_linear_cross_entropy_setup_context)
-
-
-def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         chunk_size=None, check_targets=False, *, ce_weight=None, lse_square_scale=0.0, softcap=None,
-                         return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
-                         accum_dtype=None, use_token_scaling=False):
-    """`F.cross_entropy(F.linear(hidden, weight, bias), targets, ...)` without materializing the [N, V] logits.
-
-    hidden [N, H] or [B, T, H]; weight [V, H] (lm_head.weight as stored); bias [V] or None; targets [N] or [B, T].
-    Same semantics, errors and fp32 loss as `cross_entropy` (including NaN for a mean over no rows). Gradients flow to
-    hidden, weight and bias as far as they require grad (a frozen weight, as in LoRA, costs no dW matmul).
-    chunk_size = rows per chunk; by default LCE_CHUNK_BUDGET_BYTES of chunk logits (a multiple of 64 rows). For
-    mean/sum the gradients are computed in this call (its backward only scales them); for "none" the backward
-    recomputes the chunks. The extras are those of `cross_entropy`, the class weights named ce_weight (as in Liger's
-    fused linear cross-entropy); the token accuracy and predicted tokens come without the logits ever being held.
-    Two more options with Liger's names and meaning: accum_dtype=torch.float32 sums dW over the chunks in fp32 and
-    rounds it to the weight's dtype once (None: in the weight's dtype, one rounding per chunk); use_token_scaling=True
-    multiplies each row's loss, z-loss and gradient by the softmax probability of its target (after the softcap),
-    without a gradient through that factor; "mean" still divides by the non-ignored rows (or their class weights).
-    torch.compile traces the call as the operator torch.ops.playbook.linear_cross_entropy.
-    """
-    _validate_linear_cross_entropy(hidden, weight, targets, bias, reduction, label_smoothing)
-    extras = dict(weight=ce_weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-                  return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
-    _check_extras("linear_cross_entropy", ce_weight, lse_square_scale, softcap, dict(
-                  return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                  return_predicted_tokens=return_predicted_tokens), V=weight.shape[0], device=hidden.device,
-                  weight_name="ce_weight")
-    _check_linear_options("linear_cross_entropy", accum_dtype, use_token_scaling)
-    grad_enabled = torch.is_grad_enabled()
-    want_dh = grad_enabled and hidden.requires_grad
-    want_dw = grad_enabled and weight.requires_grad
-    want_db = grad_enabled and bias is not None and bias.requires_grad
-    # Eager calls take the autograd.Function (cheaper to dispatch, see `cross_entropy`); torch.compile traces the
-    # operator.
-    if torch.compiler.is_compiling():
-        fields = torch.ops.playbook.linear_cross_entropy(hidden, weight, bias, targets, ignore_index, reduction,
-                                                         label_smoothing, chunk_size, check_targets, want_dh, want_dw,
-                                                         want_db, *extras.values(), accum_dtype, use_token_scaling)
-        return _from_fields(fields[:4], return_z_loss, return_token_accuracy, return_predicted_tokens)
-    if want_dh or want_dw or want_db:
-        result = LinearCrossEntropyFunction.apply(hidden, weight, bias, targets, ignore_index, reduction,
-                                                  label_smoothing, chunk_size, check_targets, want_dh, want_dw,
-                                                  want_db, *extras.values(), accum_dtype, use_token_scaling)
-        return CrossEntropyOutput(*result) if isinstance(result, tuple) else result
-    V = weight.shape[0]
-    h, terms = _prepare_linear(hidden, targets, reduction, ignore_index, check_targets, V, extras)
-    chunk_rows = _lce_chunk_rows(h.shape[0], V, weight.element_size(), chunk_size)
-    _linear_cross_entropy_chunks(h, weight, bias, terms.targets_flat, terms.losses, terms.scale, 0, False, False,
-                                 False, chunk_rows, ignore_index, label_smoothing, extras=terms.extras,
-                                 use_token_scaling=use_token_scaling)
-    return terms.result()
-
-
-class TritonLinearCrossEntropyLoss(torch.nn.Module):
-    """Loss module taking (hidden, weight, targets[, bias]); use it with lm_head.weight instead of calling lm_head.
-    The keyword-only arguments are the extras and options of `linear_cross_entropy` (ce_weight is a buffer), as
-    Liger's LigerFusedLinearCrossEntropyLoss takes them."""
-
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk_size=None, check_targets=False,
-                 *, ce_weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
-                 return_token_accuracy=False, return_predicted_tokens=False, accum_dtype=None,
-                 use_token_scaling=False):
-        super().__init__()
-        who = "TritonLinearCrossEntropyLoss"
-        _check_common_args(who, reduction, label_smoothing)
-        _check_extras(who, ce_weight, lse_square_scale, softcap, dict(return_z_loss=return_z_loss,
-                      return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens),
-                      weight_name="ce_weight")
-        _check_linear_options(who, accum_dtype, use_token_scaling)
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.chunk_size = chunk_size
-        self.check_targets = check_targets
-        self.register_buffer("ce_weight", ce_weight)
-        self.lse_square_scale = lse_square_scale
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
-        self.return_token_accuracy = return_token_accuracy
-        self.return_predicted_tokens = return_predicted_tokens
-        self.accum_dtype = accum_dtype
-        self.use_token_scaling = use_token_scaling
-
-    def forward(self, hidden, weight, targets, bias=None):
-        return linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index, self.reduction,
-                                    self.label_smoothing, self.chunk_size, self.check_targets,
-                                    ce_weight=self.ce_weight, lse_square_scale=self.lse_square_scale,
-                                    softcap=self.softcap, return_z_loss=self.return_z_loss,
-                                    return_token_accuracy=self.return_token_accuracy,
-                                    return_predicted_tokens=self.return_predicted_tokens,
-                                    accum_dtype=self.accum_dtype, use_token_scaling=self.use_token_scaling)
-
-    def extra_repr(self):
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, chunk_size={self.chunk_size}, "
-                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, accum_dtype={self.accum_dtype}, "
-                f"use_token_scaling={self.use_token_scaling}")
+        return cross_entropy(logits, targets, **self._options())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1806,79 +1320,58 @@ def _main(argv=None):
                         help="tokens (default: 4096 on a GPU, 64 on the CPU interpreter)")
     parser.add_argument("--vocab", type=int, default=128256 if big else 1000,
                         help="vocabulary size V (default: 128256 on a GPU, 1000 on the CPU interpreter)")
-    parser.add_argument("--hidden", type=int, default=4096 if big else 32,
-                        help="hidden size H of the linear cross-entropy (default: 4096 on a GPU, 32 on the CPU)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="logits dtype")
     args = parser.parse_args(argv)
-    if min(args.rows, args.vocab, args.hidden) < 1:
-        parser.error(f"need --rows, --vocab and --hidden >= 1, got {args.rows}, {args.vocab} and {args.hidden}")
+    if min(args.rows, args.vocab) < 1:
+        parser.error(f"need --rows and --vocab >= 1, got {args.rows} and {args.vocab}")
     import torch.nn.functional as F
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     torch.manual_seed(0)
-    N, V, H = args.rows, args.vocab, args.hidden
+    N, V = args.rows, args.vocab
     targets = torch.randint(0, V, (N,), device=KERNEL_DEVICE)
     targets[torch.rand(N, device=KERNEL_DEVICE) < 0.2] = -100  # 20 % ignored rows, as masked prompt tokens
 
-    def errors(fn, leaves):
-        """(loss, gradients) of fn on copies of `leaves` requiring grad."""
-        copies = [x.detach().clone().requires_grad_() for x in leaves]
-        loss = fn(*copies)
-        return loss.detach(), torch.autograd.grad(loss, copies)
-
-    # Pass rule of the tests: our error no worse than PyTorch's in the same dtype times 3, or under about 1 ulp.
     floor = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
-    failed = False
     logits = (torch.randn(N, V, device=KERNEL_DEVICE) * 3).to(dtype)
-    ref = errors(lambda x: F.cross_entropy(x, targets), [logits.double()])
-    same_dtype = errors(lambda x: F.cross_entropy(x, targets), [logits])
-    ours = errors(lambda x: cross_entropy(x, targets), [logits])
-    loss_err, grad_err = _max_rel_err(ours[0], ref[0]), _max_rel_err(ours[1][0], ref[1][0])
-    torch_err = _max_rel_err(same_dtype[1][0], ref[1][0])
-    ok = loss_err <= 1e-5 and grad_err <= max(3 * torch_err, floor)
-    failed |= not ok
-    print(f"cross_entropy        {args.dtype} [{N}, {V}]: max rel err loss {loss_err:.1e}, grad {grad_err:.1e} "
-          f"(PyTorch {args.dtype}: {torch_err:.1e}) {'PASS' if ok else 'FAIL'}")
 
+    def check(label, loss_fn, reference_fn, extra_ok=True, note=""):
+        """Print one line and return whether loss_fn passes the tests' rule against reference_fn in float64: the
+        loss within 1e-5, the gradient no worse than reference_fn's in the logits' dtype times 3, or under about 1 ulp
+        (floor)."""
+        def loss_and_grad(fn, x):
+            x = x.detach().clone().requires_grad_()
+            loss = fn(x)
+            return loss.detach(), torch.autograd.grad(loss, x)[0]
+        ref, same_dtype = loss_and_grad(reference_fn, logits.double()), loss_and_grad(reference_fn, logits)
+        ours = loss_and_grad(loss_fn, logits)
+        loss_err, grad_err = _max_rel_err(ours[0], ref[0]), _max_rel_err(ours[1], ref[1])
+        torch_err = _max_rel_err(same_dtype[1], ref[1])
+        ok = loss_err <= 1e-5 and grad_err <= max(3 * torch_err, floor) and extra_ok
+        print(f"{label}: max rel err loss {loss_err:.1e}, grad {grad_err:.1e} (PyTorch {args.dtype}: {torch_err:.1e})"
+              f"{note} {'PASS' if ok else 'FAIL'}")
+        return ok
+
+    ok = check(f"cross_entropy        {args.dtype} [{N}, {V}]", lambda x: cross_entropy(x, targets),
+               lambda x: F.cross_entropy(x, targets))
     # The extras together: class weights, z-loss, softcap (with label smoothing), and the token accuracy, with every
     # other row's target its argmax.
     class_weights = (torch.rand(V, device=KERNEL_DEVICE) + 0.5).to(dtype)
     argmax = logits.float().argmax(dim=-1)
     valid = targets != -100
     hits = torch.where(valid & (torch.arange(N, device=KERNEL_DEVICE) % 2 == 0), argmax, targets)
-    extras = dict(lse_square_scale=1e-4, softcap=30.0, label_smoothing=0.1)
+    extras = dict(weight=class_weights, lse_square_scale=1e-4, softcap=30.0, label_smoothing=0.1)
 
     def reference_extras(x):
         capped = 30.0 * torch.tanh(x / 30.0)
         z_loss = torch.where(valid, 1e-4 * torch.logsumexp(capped, dim=-1) ** 2, 0.0).sum() / valid.sum()
         return F.cross_entropy(capped, hits, weight=class_weights.to(x.dtype), label_smoothing=0.1) + z_loss
 
-    ref = errors(reference_extras, [logits.double()])
-    same_dtype = errors(reference_extras, [logits])
-    ours = errors(lambda x: cross_entropy(x, hits, weight=class_weights, **extras), [logits])
-    accuracy = cross_entropy(logits, hits, weight=class_weights, return_token_accuracy=True, **extras).token_accuracy
-    loss_err, grad_err = _max_rel_err(ours[0], ref[0]), _max_rel_err(ours[1][0], ref[1][0])
-    torch_err = _max_rel_err(same_dtype[1][0], ref[1][0])
-    ok = (loss_err <= 1e-5 and grad_err <= max(3 * torch_err, floor)
-          and accuracy == (argmax == hits)[valid].float().mean())  # the lowest column among equal maxima, as here
-    failed |= not ok
-    print(f"  + extras           weight, z-loss, softcap, smoothing: max rel err loss {loss_err:.1e}, grad "
-          f"{grad_err:.1e} (PyTorch {args.dtype}: {torch_err:.1e}); token accuracy {accuracy.item():.3f} "
-          f"{'PASS' if ok else 'FAIL'}")
-
-    hidden = torch.randn(N, H, device=KERNEL_DEVICE).to(dtype)
-    weight = (torch.randn(V, H, device=KERNEL_DEVICE) * 2 / H**0.5).to(dtype)
-    ref = errors(lambda h, w: F.cross_entropy(F.linear(h, w), targets), [hidden.double(), weight.double()])
-    eager = errors(lambda h, w: F.cross_entropy(F.linear(h, w), targets), [hidden, weight])
-    ours = errors(lambda h, w: linear_cross_entropy(h, w, targets), [hidden, weight])
-    errs = [_max_rel_err(ours[0], ref[0])] + [_max_rel_err(g, r) for g, r in zip(ours[1], ref[1])]
-    eager_errs = [_max_rel_err(eager[0], ref[0])] + [_max_rel_err(g, r) for g, r in zip(eager[1], ref[1])]
-    ok = all(e <= max(3 * t, f) for e, t, f in zip(errs, eager_errs, (1e-5, floor, floor)))
-    failed |= not ok
-    print(f"linear_cross_entropy {args.dtype} [{N}, {H}] -> {V}: max rel err loss {errs[0]:.1e}, dh {errs[1]:.1e}, "
-          f"dW {errs[2]:.1e} (eager {args.dtype}: {eager_errs[0]:.1e}, {eager_errs[1]:.1e}, {eager_errs[2]:.1e}) "
-          f"{'PASS' if ok else 'FAIL'}")
-    return 1 if failed else 0
+    accuracy = cross_entropy(logits, hits, return_token_accuracy=True, **extras).token_accuracy
+    ok &= check("  + extras           weight, z-loss, softcap, smoothing", lambda x: cross_entropy(x, hits, **extras),
+                reference_extras, accuracy == (argmax == hits)[valid].float().mean(),  # the lowest among equal maxima
+                f"; token accuracy {accuracy.item():.3f}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

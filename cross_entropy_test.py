@@ -1,6 +1,6 @@
-"""Correctness tests for cross_entropy_kernel.py and cross_entropy_smem_kernel.py: the fused cross-entropy, the fused
-linear cross-entropy, their extras (class weights, z-loss, softcap, token accuracy, predicted tokens), and the
-launcher's choice of kernel.
+"""Correctness tests for cross_entropy_kernel.py, cross_entropy_smem_kernel.py and linear_cross_entropy_kernel.py: the
+fused cross-entropy, the fused linear cross-entropy (with Liger's accum_dtype and use_token_scaling), their extras
+(class weights, z-loss, softcap, token accuracy, predicted tokens), and the launcher's choice of kernel.
 
     pytest cross_entropy_test.py -q      # or: python cross_entropy_test.py (pytest with a PASSED/FAILED line per check)
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import cross_entropy_kernel as ck
+import linear_cross_entropy_kernel as lce
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = ck.KERNEL_DEVICE
@@ -379,7 +380,7 @@ def test_out_of_range_targets():
         ck.TritonCrossEntropyLoss(check_targets=True)(logits, torch.where(targets == V, 0, targets))
     hidden = torch.randn(N, 16, device=DEVICE)
     with pytest.raises(ValueError, match=f"target {V} "):
-        ck.linear_cross_entropy(hidden, torch.randn(V, 16, device=DEVICE), targets, check_targets=True)
+        lce.linear_cross_entropy(hidden, torch.randn(V, 16, device=DEVICE), targets, check_targets=True)
     ck.cross_entropy(logits, torch.where(bad, 0, targets), check_targets=True)  # valid targets pass the check
 
     # The shared-memory kernel (16-bit logits) as well: NaN on the bad rows, exact zeros on the ignored one.
@@ -492,18 +493,18 @@ def _bad_input_cases():
         ("module: unknown reduction", ValueError, lambda: ck.TritonCrossEntropyLoss(reduction="batchmean")),
         ("vocabulary of size 0", ValueError, lambda: ck.cross_entropy(x[:, :0], t)),
         ("unknown kernel", ValueError, lambda: ck.cross_entropy_forward(x, t, kernel="fast")),
-        ("linear: 1-D hidden", ValueError, lambda: ck.linear_cross_entropy(h[0], w, t[0])),
-        ("linear: weight H mismatch", ValueError, lambda: ck.linear_cross_entropy(h, w[:, :7], t)),
-        ("linear: weight dtype", TypeError, lambda: ck.linear_cross_entropy(h, w.double(), t)),
+        ("linear: 1-D hidden", ValueError, lambda: lce.linear_cross_entropy(h[0], w, t[0])),
+        ("linear: weight H mismatch", ValueError, lambda: lce.linear_cross_entropy(h, w[:, :7], t)),
+        ("linear: weight dtype", TypeError, lambda: lce.linear_cross_entropy(h, w.double(), t)),
         ("linear: bias shape", ValueError,
-         lambda: ck.linear_cross_entropy(h, w, t, bias=torch.randn(49, device=DEVICE))),
-        ("linear: float targets", TypeError, lambda: ck.linear_cross_entropy(h, w, t.float())),
-        ("linear: targets shape", ValueError, lambda: ck.linear_cross_entropy(h, w, t[:2])),
-        ("linear: weight device", ValueError, lambda: ck.linear_cross_entropy(h, w.to("meta"), t)),
-        ("linear: chunk_size 0", ValueError, lambda: ck.linear_cross_entropy(h, w, t, chunk_size=0)),
-        ("linear: vocabulary of size 0", ValueError, lambda: ck.linear_cross_entropy(h, w[:0], t)),
-        ("linear: unknown reduction", ValueError, lambda: ck.linear_cross_entropy(h, w, t, reduction="max")),
-        ("linear module: label_smoothing", ValueError, lambda: ck.TritonLinearCrossEntropyLoss(label_smoothing=2.0)),
+         lambda: lce.linear_cross_entropy(h, w, t, bias=torch.randn(49, device=DEVICE))),
+        ("linear: float targets", TypeError, lambda: lce.linear_cross_entropy(h, w, t.float())),
+        ("linear: targets shape", ValueError, lambda: lce.linear_cross_entropy(h, w, t[:2])),
+        ("linear: weight device", ValueError, lambda: lce.linear_cross_entropy(h, w.to("meta"), t)),
+        ("linear: chunk_size 0", ValueError, lambda: lce.linear_cross_entropy(h, w, t, chunk_size=0)),
+        ("linear: vocabulary of size 0", ValueError, lambda: lce.linear_cross_entropy(h, w[:0], t)),
+        ("linear: unknown reduction", ValueError, lambda: lce.linear_cross_entropy(h, w, t, reduction="max")),
+        ("linear module: label_smoothing", ValueError, lambda: lce.TritonLinearCrossEntropyLoss(label_smoothing=2.0)),
         # the extras
         ("weight of V - 1 classes", ValueError, lambda: ck.cross_entropy(x, t, weight=torch.rand(49, device=DEVICE))),
         ("weight [1, V]", ValueError, lambda: ck.cross_entropy(x, t, weight=torch.rand(1, 50, device=DEVICE))),
@@ -525,7 +526,7 @@ def _bad_input_cases():
         ("uint8 targets", TypeError, lambda: ck.cross_entropy(x, t.to(torch.uint8))),
         ("int16 targets", TypeError, lambda: ck.cross_entropy(x, t.to(torch.int16))),
         ("label_smoothing a string", TypeError, lambda: ck.cross_entropy(x, t, label_smoothing="0.1")),
-        ("linear: bias a list", TypeError, lambda: ck.linear_cross_entropy(h, w, t, bias=[0.0] * 50)),
+        ("linear: bias a list", TypeError, lambda: lce.linear_cross_entropy(h, w, t, bias=[0.0] * 50)),
         ("return flag not a bool", TypeError, lambda: ck.cross_entropy(x, t, return_token_accuracy=1)),
         ("launcher: weight shape", ValueError,
          lambda: ck.cross_entropy_forward(x, t, weight=torch.rand(5, device=DEVICE))),
@@ -534,23 +535,23 @@ def _bad_input_cases():
          lambda: ck.TritonCrossEntropyLoss(weight=torch.ones(50, dtype=torch.int))),
         ("module: return flag", TypeError, lambda: ck.TritonCrossEntropyLoss(return_z_loss="yes")),
         ("linear: ce_weight shape", ValueError,
-         lambda: ck.linear_cross_entropy(h, w, t, ce_weight=torch.rand(8, device=DEVICE))),
+         lambda: lce.linear_cross_entropy(h, w, t, ce_weight=torch.rand(8, device=DEVICE))),
         ("linear: ce_weight dtype", TypeError,
-         lambda: ck.linear_cross_entropy(h, w, t, ce_weight=torch.ones(50, dtype=torch.bool, device=DEVICE))),
-        ("linear: lse_square_scale", ValueError, lambda: ck.linear_cross_entropy(h, w, t, lse_square_scale=-1.0)),
-        ("linear: softcap", ValueError, lambda: ck.linear_cross_entropy(h, w, t, softcap=0)),
+         lambda: lce.linear_cross_entropy(h, w, t, ce_weight=torch.ones(50, dtype=torch.bool, device=DEVICE))),
+        ("linear: lse_square_scale", ValueError, lambda: lce.linear_cross_entropy(h, w, t, lse_square_scale=-1.0)),
+        ("linear: softcap", ValueError, lambda: lce.linear_cross_entropy(h, w, t, softcap=0)),
         ("linear module: lse_square_scale", ValueError,
-         lambda: ck.TritonLinearCrossEntropyLoss(lse_square_scale=float("nan"))),
-        ("linear: accum_dtype fp16", ValueError, lambda: ck.linear_cross_entropy(h, w, t, accum_dtype=torch.float16)),
-        ("linear: accum_dtype a string", TypeError, lambda: ck.linear_cross_entropy(h, w, t, accum_dtype="float32")),
-        ("linear: use_token_scaling 1", TypeError, lambda: ck.linear_cross_entropy(h, w, t, use_token_scaling=1)),
+         lambda: lce.TritonLinearCrossEntropyLoss(lse_square_scale=float("nan"))),
+        ("linear: accum_dtype fp16", ValueError, lambda: lce.linear_cross_entropy(h, w, t, accum_dtype=torch.float16)),
+        ("linear: accum_dtype a string", TypeError, lambda: lce.linear_cross_entropy(h, w, t, accum_dtype="float32")),
+        ("linear: use_token_scaling 1", TypeError, lambda: lce.linear_cross_entropy(h, w, t, use_token_scaling=1)),
         ("linear module: accum_dtype", ValueError,
-         lambda: ck.TritonLinearCrossEntropyLoss(accum_dtype=torch.float64)),
+         lambda: lce.TritonLinearCrossEntropyLoss(accum_dtype=torch.float64)),
     ] + ([  # on a GPU machine the kernels run on CUDA: CPU tensors must be refused, not sent to a GPU kernel
         ("CPU logits with CUDA kernels", ValueError, lambda: ck.cross_entropy(x.cpu(), t.cpu())),
         ("CPU targets with CUDA logits", ValueError, lambda: ck.cross_entropy(x, t.cpu())),
         ("linear: CPU inputs with CUDA kernels", ValueError,
-         lambda: ck.linear_cross_entropy(h.cpu(), w.cpu(), t.cpu())),
+         lambda: lce.linear_cross_entropy(h.cpu(), w.cpu(), t.cpu())),
         ("CPU class weights with CUDA logits", ValueError, lambda: ck.cross_entropy(x, t, weight=torch.rand(50))),
     ] if ON_GPU else [])
 
@@ -568,11 +569,12 @@ def test_bad_inputs():
                 f"{name}: the message should start with the function's name: {exc}"
 
 
-@pytest.mark.parametrize("argv", [["--vocab", "0"], ["--rows", "-1"], ["--hidden", "0"]])
-def test_kernel_script_refuses_bad_sizes(argv, capsys):
-    """Run as a script, the kernel file answers a size it cannot run with one usage error (exit code 2)."""
+@pytest.mark.parametrize("module, argv", [(ck, ["--vocab", "0"]), (ck, ["--rows", "-1"]), (lce, ["--hidden", "0"]),
+                                          (lce, ["--vocab", "0"])], ids=["ce-vocab", "ce-rows", "lce-hidden", "lce-vocab"])
+def test_kernel_script_refuses_bad_sizes(module, argv, capsys):
+    """Run as a script, a kernel file answers a size it cannot run with one usage error (exit code 2)."""
     with pytest.raises(SystemExit) as exit_info:
-        ck._main(argv)
+        module._main(argv)
     assert exit_info.value.code == 2
     assert "error:" in capsys.readouterr().err
 
@@ -590,7 +592,7 @@ def test_empty_input(reduction, shape):
     (grad,) = torch.autograd.grad(loss.sum(), logits)
     hidden = torch.randn(*shape, H, device=DEVICE, requires_grad=True)
     weight = torch.randn(V, H, device=DEVICE, requires_grad=True)
-    linear_loss = ck.linear_cross_entropy(hidden, weight, targets, reduction=reduction)
+    linear_loss = lce.linear_cross_entropy(hidden, weight, targets, reduction=reduction)
     dh, dw = torch.autograd.grad(linear_loss.sum(), (hidden, weight))
     for value in (loss, linear_loss):
         assert value.dtype == torch.float32
@@ -606,7 +608,7 @@ def test_empty_input(reduction, shape):
     extras = dict(weight=torch.rand(V, device=DEVICE), lse_square_scale=1e-3, softcap=5.0, return_z_loss=True,
                   return_token_accuracy=True, return_predicted_tokens=True)
     for out in (ck.cross_entropy(logits, targets, reduction=reduction, **extras),
-                ck.linear_cross_entropy(hidden, weight, targets, reduction=reduction,
+                lce.linear_cross_entropy(hidden, weight, targets, reduction=reduction,
                                         ce_weight=extras.pop("weight"), **extras)):
         assert out.predicted_tokens.shape == shape and out.z_loss.shape == out.loss.shape
         if reduction == "none":
@@ -738,9 +740,9 @@ def _linear_ce(h, w, b, targets, grad_output, kwargs, ours=False, chunk_size=Non
     """Loss and gradients (dh, dW, db; None where not required) of our fused op or of eager F.linear+F.cross_entropy."""
     inputs = [x for x in (h, w, b) if x is not None and x.requires_grad]
     if ours and use_module:
-        loss = ck.TritonLinearCrossEntropyLoss(chunk_size=chunk_size, **kwargs)(h, w, targets, b)
+        loss = lce.TritonLinearCrossEntropyLoss(chunk_size=chunk_size, **kwargs)(h, w, targets, b)
     elif ours:
-        loss = ck.linear_cross_entropy(h, w, targets, b, chunk_size=chunk_size, **kwargs)
+        loss = lce.linear_cross_entropy(h, w, targets, b, chunk_size=chunk_size, **kwargs)
     else:
         logits = F.linear(h, w, b)
         loss = F.cross_entropy(logits.reshape(-1, w.shape[0]), targets.reshape(-1).long(), **kwargs)
@@ -824,12 +826,12 @@ def test_linear_dw_accumulation():
 
 def test_linear_chunk_rows():
     """The default chunk comes from LCE_CHUNK_BUDGET_BYTES: a multiple of 64 rows, at least 64, at most N."""
-    budget = ck.LCE_CHUNK_BUDGET_BYTES
-    rows = ck._lce_chunk_rows(16384, 128256, 2, None)
+    budget = lce.LCE_CHUNK_BUDGET_BYTES
+    rows = lce._lce_chunk_rows(16384, 128256, 2, None)
     assert rows % 64 == 0 and rows * 128256 * 2 <= budget and (rows + 64) * 128256 * 2 > budget, rows
-    assert ck._lce_chunk_rows(16384, 10**9, 2, None) == 64  # a huge vocabulary still gets 64 rows
-    assert ck._lce_chunk_rows(100, 1000, 4, None) == 100  # small inputs: one chunk
-    assert ck._lce_chunk_rows(100, 1000, 4, 33) == 33 and ck._lce_chunk_rows(10, 1000, 4, 33) == 10
+    assert lce._lce_chunk_rows(16384, 10**9, 2, None) == 64  # a huge vocabulary still gets 64 rows
+    assert lce._lce_chunk_rows(100, 1000, 4, None) == 100  # small inputs: one chunk
+    assert lce._lce_chunk_rows(100, 1000, 4, 33) == 33 and lce._lce_chunk_rows(10, 1000, 4, 33) == 10
 
 
 def test_linear_no_grad_and_errors():
@@ -838,9 +840,9 @@ def test_linear_no_grad_and_errors():
     weight = torch.randn(100, 16, device=DEVICE)
     targets = make_targets((12,), 100, 0.2).to(DEVICE)
     ref = F.cross_entropy(F.linear(hidden.double(), weight.double()), targets)
-    loss = ck.linear_cross_entropy(hidden, weight, targets, chunk_size=5)
+    loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=5)
     assert not loss.requires_grad and rel_err(loss, ref) <= LOSS_FP32_TOL
-    loss = ck.linear_cross_entropy(hidden.requires_grad_(), weight, targets, chunk_size=5)
+    loss = lce.linear_cross_entropy(hidden.requires_grad_(), weight, targets, chunk_size=5)
     torch.autograd.grad(loss, hidden, retain_graph=True)
     with pytest.raises(RuntimeError, match="can run once"):
         torch.autograd.grad(loss, hidden)
@@ -1266,10 +1268,10 @@ def check_linear_extras(dtype, hidden_shape, V, reduction, ignore_frac, bias=Fal
     extras = dict(ce_weight=w, lse_square_scale=lse_square_scale, softcap=softcap, accum_dtype=accum_dtype,
                   use_token_scaling=use_token_scaling, **{flag: key in returns for key, flag in RETURN_FLAGS.items()})
     if use_module:
-        out = ck.TritonLinearCrossEntropyLoss(chunk_size=chunk_size, **kwargs, **extras)(*leaves[:2], targets,
+        out = lce.TritonLinearCrossEntropyLoss(chunk_size=chunk_size, **kwargs, **extras)(*leaves[:2], targets,
                                                                                          leaves[2])
     else:
-        out = ck.linear_cross_entropy(*leaves[:2], targets, leaves[2], chunk_size=chunk_size, **kwargs, **extras)
+        out = lce.linear_cross_entropy(*leaves[:2], targets, leaves[2], chunk_size=chunk_size, **kwargs, **extras)
     loss = check_output_fields(out, returns)
     inputs = [x for x in leaves if x is not None]
     grads = torch.autograd.grad(loss, inputs, grad_output)
@@ -1303,11 +1305,11 @@ def test_token_scaling_is_exp_minus_loss():
     hidden = torch.randn(2, 11, 16, device=DEVICE)
     weight = torch.randn(300, 16, device=DEVICE) * 0.5
     targets = make_targets((2, 11), 300, 0.2).to(DEVICE)
-    plain = ck.linear_cross_entropy(hidden, weight, targets, reduction="none", chunk_size=4)
-    scaled = ck.linear_cross_entropy(hidden, weight, targets, reduction="none", chunk_size=4, use_token_scaling=True)
+    plain = lce.linear_cross_entropy(hidden, weight, targets, reduction="none", chunk_size=4)
+    scaled = lce.linear_cross_entropy(hidden, weight, targets, reduction="none", chunk_size=4, use_token_scaling=True)
     assert torch.allclose(scaled, plain * torch.exp(-plain), rtol=1e-5, atol=0)
     assert torch.all(scaled[targets == -100] == 0) and not torch.allclose(scaled, plain)
-    mean = ck.linear_cross_entropy(hidden, weight, targets, chunk_size=4, use_token_scaling=True)
+    mean = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=4, use_token_scaling=True)
     assert torch.allclose(mean, scaled.sum() / (targets != -100).sum(), rtol=1e-6), "mean over the non-ignored rows"
 
 
@@ -1325,7 +1327,7 @@ def test_linear_accum_dtype_fp32():
     def dw_of(dtype, ours=False, **options):
         h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
         if ours:
-            loss = ck.linear_cross_entropy(h, w, targets, chunk_size=4, reduction="sum", **options)
+            loss = lce.linear_cross_entropy(h, w, targets, chunk_size=4, reduction="sum", **options)
             return torch.autograd.grad(loss, w)[0]
         return _linear_ce(h, w, None, targets, one.to(dtype), kwargs)[1][1]
     ref_dw, eager_dw = dw_of(torch.float64), dw_of(torch.bfloat16)
@@ -1350,7 +1352,7 @@ def test_linear_options_compile():
         return (loss.detach(), *torch.autograd.grad(loss, (hidden, weight), grad_output))
 
     def fn(h, w):
-        return ck.linear_cross_entropy(h, w, targets, reduction="none", chunk_size=3, accum_dtype=torch.float32,
+        return lce.linear_cross_entropy(h, w, targets, reduction="none", chunk_size=3, accum_dtype=torch.float32,
                                        use_token_scaling=True)
     torch._dynamo.reset()
     compiled = loss_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True))
@@ -1443,9 +1445,9 @@ def test_linear_llama_sizes():
     hidden = torch.randn(N, LLAMA_H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(LLAMA_V, LLAMA_H, device="cuda") / LLAMA_H**0.5).to(torch.bfloat16).requires_grad_()
     targets = make_targets((N,), LLAMA_V, 0.2).cuda()
-    peak = _peak_above(lambda: torch.autograd.grad(ck.linear_cross_entropy(hidden, weight, targets), (hidden, weight)))
+    peak = _peak_above(lambda: torch.autograd.grad(lce.linear_cross_entropy(hidden, weight, targets), (hidden, weight)))
     grads_mib = (hidden.numel() + weight.numel()) * 2 / 2**20
-    chunk_mib = ck._lce_chunk_rows(N, LLAMA_V, 2, None) * LLAMA_V * 2 / 2**20
+    chunk_mib = lce._lce_chunk_rows(N, LLAMA_V, 2, None) * LLAMA_V * 2 / 2**20
     assert peak <= grads_mib + 2 * chunk_mib + 64, f"peak +{peak:.0f} MiB, gradients {grads_mib:.0f} MiB"
 
 

@@ -45,7 +45,8 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
-from cross_entropy_kernel import cross_entropy, linear_cross_entropy
+from cross_entropy_kernel import cross_entropy
+from linear_cross_entropy_kernel import linear_cross_entropy
 from rmsnorm_kernel import apply_rmsnorm
 from rope_kernel import apply_rope
 from swiglu_kernel import apply_glu_mlp

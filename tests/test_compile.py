@@ -26,7 +26,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
-from cross_entropy_kernel import cross_entropy, linear_cross_entropy  # noqa: E402
+from cross_entropy_kernel import cross_entropy  # noqa: E402
+from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import rms_norm  # noqa: E402
 from rope_kernel import apply_rotary_pos_emb  # noqa: E402
 from swiglu_kernel import swiglu  # noqa: E402

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from cross_entropy_kernel import linear_cross_entropy  # noqa: E402  (the kernels first: Triton's interpreter flag)
+from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402  (the kernels first: Triton's interpreter flag)
 from rmsnorm_kernel import RMSNORM_FAMILIES, TritonRMSNorm, apply_rmsnorm  # noqa: E402
 from rope_kernel import ROPE_FAMILIES, apply_rope, apply_rotary_pos_emb  # noqa: E402
 from swiglu_kernel import GLU_MLP_FAMILIES, apply_glu_mlp  # noqa: E402
