@@ -3,12 +3,14 @@
 The playbook's step 11, first half, written as a user of the stock tools writes it: one loop, read top to bottom
 (nanoGPT's train.py style): load the model and the data, then --steps optimizer steps of forward -> loss -> backward
 -> gradient clipping -> AdamW -> learning-rate schedule, with a progress line, held-out evaluation, checkpoints you can
-resume from, the fine-tuned model saved with save_pretrained, and a summary (step time, tokens/s, peak GPU memory) plus
-a JSON file. Its options are the stock ones: fused or foreach AdamW, transformers' gradient checkpointing, torch.compile,
-Liger-Kernel (--liger, the peer to beat), FSDP2, local data sets, TensorBoard.
+resume from (written with torch.distributed.checkpoint's save), the fine-tuned model saved with save_pretrained, and a
+summary (step time, tokens/s, peak GPU memory) plus a JSON file. Its options are the stock ones: fused or foreach
+AdamW, transformers' gradient checkpointing, torch.compile, Liger-Kernel (--liger, the peer to beat), FSDP2, local
+data sets, TensorBoard.
 
 finetune_optimized.py is this script plus what is ours (the fused kernels, the memory plan and its levers, CUDA-graph
-replay): `diff finetune_baseline.py finetune_optimized.py` shows exactly that and nothing else.
+replay, checkpoints written in the background): `diff finetune_baseline.py finetune_optimized.py` shows exactly that
+and nothing else.
 
     python finetune_baseline.py                                 # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full
@@ -20,9 +22,9 @@ Model: Llama (the default, Llama-3.1-8B), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 
 weights when they can be loaded offline (a Hub id in the local cache or a local folder written by save_pretrained;
 loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights (said so in every
 output), from the folder's config.json or configs/ (--model qwen3-8b, gemma-2-9b, ...); without a GPU a tiny LLaMA
-(tiny-<family> for the others). Data: random tokens like the playbook, or
---data: a folder written by save_to_disk, a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the
---text-field column of its rows is tokenized and packed into --seq-len windows.
+(tiny-<family> for the others). Data: random tokens like the playbook, or --data: a folder written by save_to_disk, a
+local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the --text-field column of its rows is tokenized
+and packed into --seq-len windows.
 
 --fsdp shards the model over several processes started by either launcher:
     torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp
@@ -393,10 +395,10 @@ def data_rows(args, source):
 
 
 def load_tokenizer(args):
-    """The model's tokenizer, or None where none is available offline ("tiny", weights-less 8B): the UTF-8 bytes of
-    the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
-    if args.model == "tiny":
-        print("the tiny model has no tokenizer: using UTF-8 bytes as token ids")
+    """The model's tokenizer, or None where none is available offline (a built-in architecture, a Hub id not in the
+    cache): the UTF-8 bytes of the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
+    if "/" not in args.model and not Path(args.model).exists() and builtin_config(args.model) is not None:
+        print(f"the built-in {args.model} has no tokenizer: using UTF-8 bytes as token ids")
         return None
     try:
         return AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
@@ -537,14 +539,13 @@ def checkpoints(output_dir):
 
 
 def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size):
-    """Starts DIR/checkpoint-<step>: model and optimizer state through torch.distributed.checkpoint (every rank writes
-    its own shards), plus the schedule, the step (which is also the data position: the batches are a function of the
-    arguments) and the RNG states. Training waits only while async_save copies the state to host memory; a
-    background thread writes it to DIR/.partial-checkpoint-<step> while the next steps run. finish_checkpoint waits
-    for that write, then renames the folder checkpoint-<step> and only then deletes the checkpoints beyond
-    --save-total-limit: a run killed at any moment leaves the last complete checkpoint whole."""
+    """Writes DIR/checkpoint-<step>, the stock way: model and optimizer state through torch.distributed.checkpoint
+    (every rank writes its own shards; training waits), plus the schedule, the step (which is also the data position:
+    the batches are a function of the arguments) and the RNG states. Everything goes to DIR/.partial-checkpoint-<step>,
+    renamed checkpoint-<step> when complete; only then are the checkpoints beyond --save-total-limit deleted, so a
+    run killed at any moment leaves the last complete checkpoint whole. Returns what the results report of it."""
     out, t0 = Path(args.output_dir), time.perf_counter()
-    partial = out / f".partial-checkpoint-{step}"
+    partial, final = out / f".partial-checkpoint-{step}", out / f"checkpoint-{step}"
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
     size = sum(t.numel() * t.element_size() for part in (model_state, optimizer_state) for t in part.values()
                if isinstance(t, torch.Tensor))  # a sharded tensor counts its global size
@@ -555,42 +556,23 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
                          f"free; the earlier checkpoints are kept")
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
-    with warnings.catch_warnings():  # one process without a process group is the intended use here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
-    trainer_state = {"step": step, "world_size": world_size, "model": args.model, "rng": rng,
-                     "scheduler": schedulers[0].state_dict()}
-    return {"step": step, "bytes": size, "stage_s": time.perf_counter() - t0, "t0": t0, "future": future,
-            "partial": partial, "trainer_state": trainer_state}
-
-
-def finish_checkpoint(args, pending, rank, world_size):
-    """Waits for a checkpoint's background write, adds the trainer state and gives the folder its final name; returns
-    what the results report of it."""
-    final = Path(args.output_dir) / f"checkpoint-{pending['step']}"
     try:
-        pending["future"].result()
+        with warnings.catch_warnings():  # one process without a process group is the intended use here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
         if rank == 0:
-            torch.save(pending["trainer_state"], pending["partial"] / "trainer_state.pt")
-            pending["partial"].rename(final)
+            rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
+            torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": rng,
+                        "scheduler": schedulers[0].state_dict()}, partial / "trainer_state.pt")
+            partial.rename(final)
             for old in checkpoints(args.output_dir)[:-args.save_total_limit]:
                 shutil.rmtree(old)
-    except (Exception, CheckpointException) as err:  # the writer thread's OSError arrives wrapped in DCP's type
+    except (Exception, CheckpointException) as err:  # DCP's own type, a BaseException, wraps the writer's OSError
         raise SystemExit(f"error: writing {final} failed ({str(err).strip().splitlines()[-1][:300]}); the earlier "
                          f"checkpoints are kept") from None
     if world_size > 1:
-        dist.barrier()
-    return {"step": pending["step"], "bytes": pending["bytes"], "stage_s": pending["stage_s"],
-            "write_s": time.perf_counter() - pending["t0"]}
-
-
-def write_done(pending, world_size):
-    """Whether a checkpoint's background write has finished, on every rank (they rename it together)."""
-    done = torch.tensor(int(pending["future"].done()))
-    if world_size > 1:
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # a CPU tensor: the gloo half of the process group
-    return bool(done)
+        dist.barrier()  # every rank's shards are in place before any rank writes the next checkpoint
+    return {"step": step, "bytes": size, "write_s": time.perf_counter() - t0}
 
 
 def resume(args, model, optimizers, schedulers, world_size):
@@ -699,9 +681,7 @@ def init_distributed(args):
     device = f"cuda:{os.environ['LOCAL_RANK']}" if HAS_CUDA else "cpu"
     if HAS_CUDA:
         torch.cuda.set_device(device)  # the current device of synchronize(), max_memory_allocated(), NCCL
-    # gloo beside NCCL: the checkpoints' background writes coordinate the ranks on the host
-    dist.init_process_group("cpu:gloo,cuda:nccl" if HAS_CUDA else "gloo",
-                            device_id=torch.device(device) if HAS_CUDA else None)
+    dist.init_process_group("nccl" if HAS_CUDA else "gloo", device_id=torch.device(device) if HAS_CUDA else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -723,7 +703,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(args.tensorboard)
-    records, step_times, evals, saved, pending = [], [], [], [], None
+    records, step_times, evals, saved = [], [], [], []
     progress = tqdm(range(start_step + 1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
     for step in progress:
         if step == start_step + warmup_steps + 1 and HAS_CUDA and warmup_steps == 1:
@@ -749,14 +729,9 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
             for name, value in scalars.items() if writer else ():
                 writer.add_scalar(name, value, step)
-        if pending is not None and (write_done(pending, world_size) or step % args.save_steps == 0):
-            saved.append(finish_checkpoint(args, pending, rank, world_size))
-            pending = None
         if args.save_steps and step % args.save_steps == 0:
-            pending = save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size)
+            saved.append(save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size))
     progress.close()
-    if pending is not None:
-        saved.append(finish_checkpoint(args, pending, rank, world_size))
     if writer:
         writer.close()
 
@@ -779,8 +754,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     print(f"loss            : {losses[0]:.4f} (step {start_step + 1}) -> {losses[-1]:.4f} (step {args.steps})"
           + (f" | held-out {evals[-1]['loss']:.4f}" if evals else ""))
     for checkpoint in saved[-1:]:
-        print(f"checkpoint      : {checkpoint['bytes'] / 2**30:.2f} GiB, training held {checkpoint['stage_s']:.1f} s "
-              f"while it was copied to host memory, written in {checkpoint['write_s']:.1f} s (step "
+        print(f"checkpoint      : {checkpoint['bytes'] / 2**30:.2f} GiB written in {checkpoint['write_s']:.1f} s (step "
               f"{checkpoint['step']}, {len(saved)} written)")
     return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
@@ -901,9 +875,10 @@ def fine_tune(argv=None):
     else:
         tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
         wants_eval = args.eval_data or args.eval_split or args.eval_steps
-        batches = {split: make_batches(args, split, config.vocab_size, config.eos_token_id, tokenizer, device, rank,
-                                       world_size) if split == "train" or wants_eval else None
-                   for split in ("train", "eval")}
+        eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
+        eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
+        batches = {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank, world_size)
+                   if split == "train" or wants_eval else None for split in ("train", "eval")}
         start_step = resume(args, model, optimizers, schedulers, world_size) if args.resume else 0
         result.update(train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant,
                             rank, world_size))

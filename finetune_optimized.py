@@ -15,8 +15,10 @@ The playbook's step 11, second half: finetune_baseline.py (the stock reference) 
   3. the memory levers: selective or full activation checkpointing of the first N layers, their inputs offloaded to
      pinned host memory, MLP sequence tiles, the optimizer step inside the backward, and AdamW's state offloaded to
      the host;
-  4. --cuda-graph: the whole step replayed as one CUDA graph, for steps the host cannot launch fast enough (1x512).
-Everything else -- model, data, loop, checkpoints, evaluation, JSON -- is the baseline's, line for line.
+  4. --cuda-graph: the whole step replayed as one CUDA graph, for steps the host cannot launch fast enough (1x512);
+  5. checkpoints written in the background: training waits only for a copy into pinned host buffers that every
+     checkpoint reuses (the baseline writes them the stock way, waiting for the disk).
+Everything else -- model, data, loop, resume, evaluation, JSON -- is the baseline's, line for line.
 
     python finetune_optimized.py                                # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_optimized.py --seq-len 8192                 # the plan picks what fits the GPU
@@ -27,9 +29,9 @@ Model: Llama (the default, Llama-3.1-8B), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 
 weights when they can be loaded offline (a Hub id in the local cache or a local folder written by save_pretrained;
 loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights (said so in every
 output), from the folder's config.json or configs/ (--model qwen3-8b, gemma-2-9b, ...); without a GPU a tiny LLaMA
-(tiny-<family> for the others). Data: random tokens like the playbook, or
---data: a folder written by save_to_disk, a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the
---text-field column of its rows is tokenized and packed into --seq-len windows.
+(tiny-<family> for the others). Data: random tokens like the playbook, or --data: a folder written by save_to_disk, a
+local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the --text-field column of its rows is tokenized
+and packed into --seq-len windows.
 
 --fsdp shards the model over several processes started by either launcher:
     torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp
@@ -65,6 +67,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import fully_shard
@@ -452,10 +455,10 @@ def data_rows(args, source):
 
 
 def load_tokenizer(args):
-    """The model's tokenizer, or None where none is available offline ("tiny", weights-less 8B): the UTF-8 bytes of
-    the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
-    if args.model == "tiny":
-        print("the tiny model has no tokenizer: using UTF-8 bytes as token ids")
+    """The model's tokenizer, or None where none is available offline (a built-in architecture, a Hub id not in the
+    cache): the UTF-8 bytes of the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
+    if "/" not in args.model and not Path(args.model).exists() and builtin_config(args.model) is not None:
+        print(f"the built-in {args.model} has no tokenizer: using UTF-8 bytes as token ids")
         return None
     try:
         return AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
@@ -607,13 +610,35 @@ def checkpoints(output_dir):
     return sorted((f for f in folders if re.fullmatch(r"checkpoint-\d+", f.name)), key=lambda f: int(f.name[11:]))
 
 
-def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size):
+def host_memory_available():
+    """Bytes the host can still give without swapping (Linux: MemAvailable), or 0 where that is unknown."""
+    try:
+        line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def checkpoint_stager(size):
+    """Where async_save copies the state before the background write, the one part of a checkpoint training waits for.
+    async_save's own stager copies into freshly allocated pageable memory every time: for an 8B run (45 GB) that held
+    training for half a minute. Ours copies into pinned host buffers, allocated at the first checkpoint and reused by
+    every later one (the stager keeps them, keyed by the GPU tensors they mirror), with non-blocking copies at the
+    PCIe rate. The buffers stay allocated, so they are used only where the host has room for them beside what it
+    already holds (a fifth to spare); a checkpoint's write ends before the next one stages into the same buffers."""
+    pinned = HAS_CUDA and 1.2 * size < host_memory_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=pinned)), pinned
+
+
+def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size, stager=None):
     """Starts DIR/checkpoint-<step>: model and optimizer state through torch.distributed.checkpoint (every rank writes
     its own shards), plus the schedule, the step (which is also the data position: the batches are a function of the
-    arguments) and the RNG states. Training waits only while async_save copies the state to host memory; a
-    background thread writes it to DIR/.partial-checkpoint-<step> while the next steps run. finish_checkpoint waits
-    for that write, then renames the folder checkpoint-<step> and only then deletes the checkpoints beyond
-    --save-total-limit: a run killed at any moment leaves the last complete checkpoint whole."""
+    arguments) and the RNG states. Training waits only while async_save copies the state to host memory (with
+    `stager`, the run's checkpoint_stager, made here at the first checkpoint); a background thread writes it to
+    DIR/.partial-checkpoint-<step> while the next steps run. finish_checkpoint waits for that write, then renames the
+    folder checkpoint-<step> and only then deletes the checkpoints beyond --save-total-limit: a run killed at any
+    moment leaves the last complete checkpoint whole."""
     out, t0 = Path(args.output_dir), time.perf_counter()
     partial = out / f".partial-checkpoint-{step}"
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
@@ -627,13 +652,15 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
+    stager, pinned = stager or checkpoint_stager(size)
     with warnings.catch_warnings():  # one process without a process group is the intended use here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial,
+                                async_stager=stager)
     trainer_state = {"step": step, "world_size": world_size, "model": args.model, "rng": rng,
                      "scheduler": schedulers[0].state_dict()}
     return {"step": step, "bytes": size, "stage_s": time.perf_counter() - t0, "t0": t0, "future": future,
-            "partial": partial, "trainer_state": trainer_state}
+            "partial": partial, "trainer_state": trainer_state, "stager": (stager, pinned)}
 
 
 def finish_checkpoint(args, pending, rank, world_size):
@@ -653,7 +680,7 @@ def finish_checkpoint(args, pending, rank, world_size):
     if world_size > 1:
         dist.barrier()
     return {"step": pending["step"], "bytes": pending["bytes"], "stage_s": pending["stage_s"],
-            "write_s": time.perf_counter() - pending["t0"]}
+            "staging": "pinned" if pending["stager"][1] else "pageable", "write_s": time.perf_counter() - pending["t0"]}
 
 
 def write_done(pending, world_size):
@@ -794,7 +821,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(args.tensorboard)
-    records, step_times, evals, saved, pending = [], [], [], [], None
+    records, step_times, evals, saved, pending, stager = [], [], [], [], None, None
     progress = tqdm(range(start_step + 1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
     for step in progress:
         if step == start_step + warmup_steps + 1 and HAS_CUDA and warmup_steps == 1:
@@ -824,10 +851,14 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             saved.append(finish_checkpoint(args, pending, rank, world_size))
             pending = None
         if args.save_steps and step % args.save_steps == 0:
-            pending = save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size)
+            pending = save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size,
+                                      stager)
+            stager = pending["stager"]  # its host buffers serve every later checkpoint of the run
     progress.close()
     if pending is not None:
         saved.append(finish_checkpoint(args, pending, rank, world_size))
+    if stager is not None:
+        stager[0].close()
     if writer:
         writer.close()
 
@@ -851,8 +882,8 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
           + (f" | held-out {evals[-1]['loss']:.4f}" if evals else ""))
     for checkpoint in saved[-1:]:
         print(f"checkpoint      : {checkpoint['bytes'] / 2**30:.2f} GiB, training held {checkpoint['stage_s']:.1f} s "
-              f"while it was copied to host memory, written in {checkpoint['write_s']:.1f} s (step "
-              f"{checkpoint['step']}, {len(saved)} written)")
+              f"while it was copied to {checkpoint['staging']} host memory, written in {checkpoint['write_s']:.1f} s "
+              f"(step {checkpoint['step']}, {len(saved)} written)")
     return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
             "avg_step_ms": 1e3 * sum(step_times) / len(step_times) if step_times else None,
@@ -1021,8 +1052,10 @@ def fine_tune(args, tried=(), write=True):
         else:
             tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
             wants_eval = args.eval_data or args.eval_split or args.eval_steps
-            batches = {split: make_batches(args, split, config.vocab_size, config.eos_token_id, tokenizer, device,
-                                           rank, world_size) if split == "train" or wants_eval else None
+            eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
+            eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
+            batches = {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank,
+                                           world_size) if split == "train" or wants_eval else None
                        for split in ("train", "eval")}
             start_step = resume(args, model, optimizers, schedulers, world_size) if args.resume else 0
             step_function = capture_step(train_step) if use_cuda_graph else train_step

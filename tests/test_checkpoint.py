@@ -1,10 +1,11 @@
 """A fine-tune you can keep: checkpoints, resume, the saved model, held-out evaluation, the schedule (tiny LLaMA, fp32,
-CPU; both fine-tune scripts share this code as parallel text, so most tests run the baseline, the faster of the two
-on the Triton interpreter).
+CPU; both fine-tune scripts share this code as parallel text but for the checkpoint write, which is synchronous in the
+baseline and in the background in ours, so most tests run the baseline, the faster of the two on the interpreter).
 
 - A run killed with SIGKILL after a checkpoint resumes (--resume) to the same per-step losses and held-out losses as an
   uninterrupted run, bit for bit on the CPU (same data order: the batches are a function of the arguments).
-- A run killed with SIGKILL while it writes a checkpoint leaves the earlier checkpoint whole, and resumes from it.
+- A run killed with SIGKILL while it writes a checkpoint (either script's writer) leaves the earlier checkpoint whole,
+  and resumes from it.
 - The final model (DIR/final) loads with AutoModelForCausalLM.from_pretrained and gives the run's last held-out loss.
 - The optimizer state written with the optimizer in the backward (one AdamW per parameter) or offloaded to the host
   loads into a plain AdamW run, and the reverse: one layout, keyed by parameter name.
@@ -62,6 +63,14 @@ def uninterrupted(data, tmp_path_factory):
     return results(output_dir), output_dir
 
 
+# Runs of finetune_optimized.py about what does not depend on the kernels (the optimizer's arrangement, the background
+# checkpoint write) take the stock model (kernels off), the fastest path on the Triton interpreter. Clipping is off:
+# with the optimizer in the backward it uses the previous step's norm, a different (documented) rule than the plain
+# step's.
+STOCK_PATH = ["--memory-plan", "manual", "--max-grad-norm", "0", "--no-rmsnorm", "--no-swiglu", "--no-rope", "--loss",
+              "eager"]
+
+
 def kill_when(proc, condition, timeout=300):
     """SIGKILL proc as soon as condition() holds (polled every 20 ms)."""
     deadline = time.monotonic() + timeout
@@ -96,27 +105,33 @@ def test_resume_after_sigkill_gives_the_uninterrupted_losses(data, uninterrupted
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # the limit: 2
 
 
-def test_sigkill_while_writing_keeps_the_earlier_checkpoint(data, uninterrupted, tmp_path):
-    """The run is killed inside torch.distributed.checkpoint's async_save of step 4, after it has written part of it: the
-    partial folder never takes the checkpoint's name, checkpoint-2 stays loadable, --resume continues from it."""
+@pytest.mark.parametrize("script, writer", [("finetune_baseline.py", "save"), ("finetune_optimized.py", "async_save")])
+def test_sigkill_while_writing_keeps_the_earlier_checkpoint(data, uninterrupted, tmp_path, script, writer):
+    """The run is killed inside torch.distributed.checkpoint's writer of step 4 (the baseline's dcp.save, our
+    background async_save), after it has written part of it: the partial folder never takes the checkpoint's name,
+    checkpoint-2 stays loadable, --resume continues from it (to the uninterrupted losses: the baseline's reference)."""
     reference, _ = uninterrupted
-    killer = ("import os, signal, sys; sys.argv[0] = {script!r}; sys.path.insert(0, {root!r}); import finetune_baseline "
-              "as script; save = script.dcp.async_save\n"
-              "def dying_save(state, checkpoint_id):\n"
+    killer = ("import os, signal, sys; sys.argv[0] = {script!r}; sys.path.insert(0, {root!r}); import {module} "
+              "as script; save = script.dcp.{writer}\n"
+              "def dying_save(state, checkpoint_id, **options):\n"
               "    if str(checkpoint_id).endswith('-4'):\n"
               "        os.makedirs(checkpoint_id, exist_ok=True); open(os.path.join(checkpoint_id, 'half'), 'w').write('x')\n"
               "        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "    return save(state, checkpoint_id=checkpoint_id)\n"
-              "script.dcp.async_save = dying_save; script.main(sys.argv[1:])")
-    cmd = command("finetune_baseline.py", data, tmp_path, "--save-steps", "2")
-    proc = subprocess.run([sys.executable, "-c", killer.format(script=cmd[1], root=str(ROOT)), *cmd[2:]], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL
+              "    return save(state, checkpoint_id=checkpoint_id, **options)\n"
+              "script.dcp.{writer} = dying_save; script.main(sys.argv[1:])")
+    flags = STOCK_PATH if script == "finetune_optimized.py" else []
+    cmd = command(script, data, tmp_path, "--save-steps", "2", *flags)
+    code = killer.format(script=cmd[1], root=str(ROOT), module=Path(script).stem, writer=writer)
+    proc = subprocess.run([sys.executable, "-c", code, *cmd[2:]], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert finetune_baseline.checkpoints(tmp_path) == [tmp_path / "checkpoint-2"]
     assert (tmp_path / ".partial-checkpoint-4" / "half").is_file()
     run([*cmd, "--resume"])
     resumed = results(tmp_path)
-    assert resumed["start_step"] == 2 and resumed["losses"] == reference["losses"][2:]
+    assert resumed["start_step"] == 2 and len(resumed["losses"]) == 4
+    if script == "finetune_baseline.py":
+        assert resumed["losses"] == reference["losses"][2:]
     assert not (tmp_path / ".partial-checkpoint-4").exists()  # rewritten whole, then renamed
 
 
@@ -129,13 +144,6 @@ def test_final_model_reloads_and_gives_the_last_held_out_loss(uninterrupted):
                                              "cpu")
     loss, _ = finetune_baseline.evaluate(finetune_baseline.ModelWithLoss(model, "eager"), batches, 1)
     assert loss == pytest.approx(result["evals"][-1]["loss"], rel=1e-6)
-
-
-# The optimizer's arrangement does not depend on the kernels: these runs take the stock model (kernels off), the fastest
-# path on the Triton interpreter. Clipping is off: with the optimizer in the backward it uses the previous step's norm,
-# a different (documented) rule than the plain step's.
-STOCK_PATH = ["--memory-plan", "manual", "--max-grad-norm", "0", "--no-rmsnorm", "--no-swiglu", "--no-rope", "--loss",
-              "eager"]
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +209,29 @@ def test_tensorboard_scalars(data, tmp_path):
     lrs = [event.value for event in events.Scalars("train/lr")]
     assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(0.0, abs=1e-9)  # cosine: warm-up 1, then to 0
     assert [event.step for event in events.Scalars("eval/loss")] == [2, 4]
+
+
+def test_checkpoint_staging_pins_only_what_the_host_has_room_for():
+    """Our background checkpoint stages into pinned host buffers where the host has room (a fifth to spare), else
+    into pageable memory like async_save's own stager; without CUDA nothing can be pinned."""
+    available = finetune_optimized.host_memory_available()
+    assert available > 0  # Linux: /proc/meminfo
+    stager, pinned = finetune_optimized.checkpoint_stager(10 * available)
+    assert not pinned and not stager._config.use_pinned_memory
+    stager.close()
+    stager, pinned = finetune_optimized.checkpoint_stager(2**20)
+    assert pinned == torch.cuda.is_available() and stager._config.use_non_blocking_copy == pinned
+    stager.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a CUDA GPU")
+def test_pinned_staging_reuses_its_buffers_and_copies_the_values():
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "m": torch.randn(4096, device="cuda")}
+    stager, pinned = finetune_optimized.checkpoint_stager(2**20)
+    assert pinned
+    first = stager.stage(state)
+    state["w"].mul_(2)  # the next checkpoint's values
+    second = stager.stage(state)
+    assert second["w"].is_pinned() and second["w"].data_ptr() == first["w"].data_ptr()  # the same host buffer
+    assert torch.equal(second["w"], state["w"].cpu()) and torch.equal(second["m"], state["m"].cpu())
+    stager.close()

@@ -186,7 +186,7 @@ EOS = 2
 
 
 def expected_stream(texts):
-    """The reference: UTF-8 bytes of each row with text (the tiny model has no tokenizer), EOS after each."""
+    """The reference: UTF-8 bytes of each row with text (the built-in tiny model has no tokenizer), EOS after each."""
     return [i for text in texts if text.strip() for i in [*text.encode("utf-8"), EOS]]
 
 
@@ -335,8 +335,8 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 # only what is ours (our machinery exists once, in finetune_optimized.py).
 SHARED = ["git_info", "host_cpu", "run_info", "builtin_config", "check_attention", "is_local_path", "load_model",
           "data_error", "data_rows", "load_tokenizer", "load_token_stream", "make_batches", "shift_labels_of",
-          "default_out_path", "evaluate", "checkpoints", "save_checkpoint", "resume", "save_final", "write_results",
-          "seq_len_search", "init_distributed", "sync", "train"]
+          "default_out_path", "evaluate", "checkpoints", "resume", "save_final", "write_results", "seq_len_search",
+          "sync"]
 
 
 def test_stock_parts_are_parallel_text():
