@@ -17,7 +17,9 @@ The playbook's step 11, second half: finetune_baseline.py (the stock reference) 
      the host;
   4. --cuda-graph: the whole step replayed as one CUDA graph, for steps the host cannot launch fast enough (1x512);
   5. checkpoints written in the background: training waits only for a copy into pinned host buffers that every
-     checkpoint reuses (the baseline writes them the stock way, waiting for the disk).
+     checkpoint reuses (the baseline writes them the stock way, waiting for the disk);
+  6. --fp8 rowwise|tensorwise: every Linear of the decoder layers trains in float8 (torchao's recipes, a GPU of compute
+     capability 8.9+), each layer compiled so the casts fuse; the lm_head stays in the fused loss (float8_training.py).
 Everything else -- model, data, loop, resume, evaluation, JSON -- is the baseline's, line for line.
 
     python finetune_optimized.py                                # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
@@ -77,6 +79,7 @@ from tqdm import tqdm
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from cross_entropy_kernel import cross_entropy
+from float8_training import check_fp8_flags, compile_decoder_layers, convert_decoder_linears, torchao_version
 from linear_cross_entropy_kernel import linear_cross_entropy
 from rmsnorm_kernel import apply_rmsnorm
 from rope_kernel import apply_rope
@@ -177,6 +180,11 @@ def build_parser():
     for kernel, what in (("rmsnorm", "every RMSNorm"), ("swiglu", "every MLP's silu(gate) * up (GELU for Gemma)"),
                          ("rope", "the rotary embedding of q and k")):
         add(f"--{kernel}", action=argparse.BooleanOptionalAction, default=True, help=f"{what} as a fused kernel")
+    add("--fp8", choices=["rowwise", "tensorwise"], default=None,
+        help="float8 training (torchao, float8_training.py) of every Linear in the decoder layers, each layer "
+             "compiled so the casts fuse; not the lm_head, whose matmul is inside the fused loss. rowwise: a scale "
+             "per row (more accurate); tensorwise: one per tensor (faster). Needs a GPU of compute capability 8.9+ "
+             "(H100) and --loss linear_ce")
     # -- optimized only: memory --------------------------------------------------------------------------------------
     add("--memory-plan", choices=["auto", "manual"], default="auto",
         help="auto: before the first step, pick the fastest levers that fit the GPU (levers given by hand are kept, "
@@ -234,6 +242,7 @@ def parse_args(argv=None):
                      f"has no modes")
     if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
         parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
+    check_fp8_flags(parser, args)
     if args.plot and not (args.out or "").endswith(".png"):
         parser.error("--plot writes a PNG: give its path with --out FILE.png")
     check_memory_flags(parser, args)
@@ -966,10 +975,14 @@ def fine_tune(args, tried=(), write=True):
 
     # --- what this script changes about the model: the fused kernels (counts checked: a no-op swap is an error) ------
     replaced, variant, loss_impl = patch_kernels(args, model), kernel_variant(args), args.loss
+    if args.fp8:  # torchao's float8 Linear in every decoder layer; the lm_head's matmul stays in the fused loss
+        replaced["float8_linear"], info["torchao"] = convert_decoder_linears(model, args.fp8), torchao_version()
     model_with_loss = ModelWithLoss(model, loss_impl, args.lce_chunk_size)
     # --- memory: the fastest plan that fits (--memory-plan auto) or the flags as given, and its levers ---------------
     plan = plan_memory(args, model, model_with_loss, device, tried)
     offloader = apply_levers(model, plan)
+    if args.fp8 and not args.compile:  # the float8 casts fuse only when compiled; --compile compiles the whole step
+        compile_decoder_layers(model, COMPILE_BACKEND)
     use_cuda_graph = args.cuda_graph and HAS_CUDA
     if args.cuda_graph and not HAS_CUDA:
         print("no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly")
@@ -1108,7 +1121,8 @@ def patch_kernels(args, model):
 def kernel_variant(args):
     """The run's name in reports: its loss and the kernels it uses, e.g. rmsnorm+linear_ce+swiglu+rope."""
     kernels = [name for name in ("rmsnorm", "swiglu", "rope") if getattr(args, name)]
-    return "+".join(kernels[:1] + [args.loss] + kernels[1:] + (["compile"] if args.compile else []))
+    return "+".join(kernels[:1] + [args.loss] + kernels[1:] + ([f"fp8-{args.fp8}"] if args.fp8 else [])
+                    + (["compile"] if args.compile else []))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""Float8 training of the decoder's linear layers with torchao: finetune_optimized.py --fp8 rowwise|tensorwise.
+
+What float8 training is
+-----------------------
+A Linear layer costs three matmuls per step: the output (x @ W.T) in the forward, grad_input (dy @ W) and grad_weight
+(dy.T @ x) in the backward. On a GPU with FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper) a matmul on
+float8 operands runs at twice the bf16 peak. torchao's Float8Linear casts each operand to float8 just before its
+matmul and accumulates in fp32, so the output and the gradients come out in the model's dtype. Everything else stays
+as it was: the weights, their gradients and AdamW's state in bf16, every non-matmul op (our RMSNorm, SwiGLU, RoPE,
+attention, the loss) in bf16. It saves compute, not memory: each layer keeps its bf16 input for the backward, as a
+bf16 Linear does, and the float8 copies exist only around their matmul.
+
+float8 has few bits: e4m3 (4 exponent bits, 3 mantissa bits, largest value 448) for values, e5m2 (2 mantissa bits,
+more range) for the gradients in the tensorwise recipe. So every cast is scaled: the tensor is multiplied by
+448 / amax (its largest magnitude), which spends the few bits on the values present, and the matmul divides the scale
+back out. The scales are dynamic, from this very tensor's amax, at each cast.
+
+Why torch.compile is part of it
+-------------------------------
+Each cast is a reduction (amax) and an elementwise pass (scale, round, saturate), each a full read of a bf16 tensor
+of the size of the matmul's operand. Run eagerly, those extra passes over memory eat the matmul's gain. Compiled,
+inductor fuses amax, scale and cast into few kernels. --fp8 therefore compiles every decoder layer in place (the
+layers share one graph); with --compile the whole step is compiled already. Our kernels are custom operators: the
+compiled graph calls them as they are, and the casts and the small ops between them become generated code.
+
+Rowwise or tensorwise (torchao's two recipes)
+---------------------------------------------
+- tensorwise: one scale per tensor. The cheapest cast (one amax) and cuBLAS's plain FP8 matmul: the faster recipe.
+  But one outlier anywhere (LLMs have a few activation channels far larger than the rest) sets the scale for every
+  value, and small values in other rows lose their bits or round to zero. Gradients use e5m2.
+- rowwise: one scale per row of each operand, along the dimension the matmul sums over, so an outlier costs
+  resolution in its own row only; the scales are rounded down to powers of two (scaling is then exact) and all three
+  operands use e4m3. The matmul is a row-scaled kernel (CUTLASS) and the casts do more work: the more accurate,
+  somewhat slower recipe; which wins end to end is what the measurement says.
+
+Which layers
+------------
+Every nn.Linear inside the decoder layers (model.model.layers): for Llama q/k/v/o_proj and gate/up/down_proj, 7 per
+layer, 224 for Llama-3.1-8B; Phi-3's fused qkv_proj and gate_up_proj count once each. The fused MLP and attention
+call their Linear modules, so the swap reaches them. NOT the lm_head: its matmul is inside our fused linear
+cross-entropy (--loss linear_ce), which reads lm_head.weight and never calls the module, so a converted lm_head would
+claim float8 and still run bf16. The logits also feed a softmax over the whole vocabulary, where 3 mantissa bits
+would move the loss itself: float8 pre-training recipes (torchtitan's) also leave the output projection in bf16.
+torchao's own size filter (_auto_filter_for_recipe) would also leave Llama-3.1-8B's k_proj and v_proj (1024 outputs)
+in bf16, where it measured the casts costing more than the faster matmul saves; here the whole decoder is converted,
+and a measurement can tell whether skipping those pays.
+
+The checks, one error line each
+-------------------------------
+Before the model loads: --loss ce or eager (those call the lm_head module, the one Linear float8 leaves out: the fp8
+run is defined with the fused linear cross-entropy); --fsdp and --cuda-graph (both refuse --compile too, and --fp8
+compiles); no GPU, or one below compute capability 8.9 (no FP8 tensor cores); torchao missing, or too old for the
+recipe. At the swap: a decoder Linear whose sizes are not multiples of 16 (the FP8 matmul's requirement), and
+afterwards any decoder Linear left unconverted or a converted lm_head (the count goes into the run's "replaced"
+record). On the CPU, the tests run the same conversion with torchao's emulation (emulate=True: the same casts, the
+matmul in high precision).
+"""
+import dataclasses
+import importlib.metadata
+
+import torch
+
+RECIPES = ("rowwise", "tensorwise")
+MIN_CAPABILITY = (8, 9)  # the first NVIDIA GPUs with FP8 tensor cores (Ada; Hopper is 9.0)
+# torch._scaled_mm, the FP8 matmul, takes operands whose sizes are multiples of 16
+FP8_MATMUL_MULTIPLE = 16
+
+
+def torchao_version():
+    """The installed torchao's version, or None (read from its metadata: importing torchao is not needed)."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fp8_problem(args, cuda_capability):
+    """Why `--fp8 args.fp8` cannot run with these arguments on this machine, as one line; None when it can.
+    cuda_capability: (major, minor) of the GPU, None without one."""
+    if args.loss != "linear_ce":
+        return (f"--fp8 goes with --loss linear_ce: --loss {args.loss} runs the lm_head as a Linear outside the fused "
+                f"loss, which float8 would have to convert (at the logits' accuracy) or leave in bf16")
+    clash = next((flag for flag, used in (("--fsdp", args.fsdp), ("--cuda-graph", args.cuda_graph)) if used), None)
+    if clash:
+        return f"--fp8 compiles the decoder layers: it cannot be combined with {clash}, as --compile cannot"
+    if cuda_capability is None or tuple(cuda_capability) < MIN_CAPABILITY:
+        major, minor = MIN_CAPABILITY
+        found = "no CUDA device" if cuda_capability is None else "compute capability {}.{}".format(*cuda_capability)
+        return (f"--fp8 needs a GPU with FP8 tensor cores, compute capability {major}.{minor} or higher (H100, L40S, "
+                f"RTX 4090); found {found}")
+    version = torchao_version()
+    if version is None:
+        return "--fp8 needs torchao, which is not installed: pip install -r requirements.txt"
+    try:
+        from torchao.float8 import Float8LinearConfig, Float8LinearRecipeName
+    except ImportError as err:  # before the recipes had names (or a broken install: the error says which)
+        return f"--fp8 {args.fp8}: torchao {version} has no float8 recipes ({err}); pip install -r requirements.txt"
+    recipes = [recipe.value for recipe in Float8LinearRecipeName]
+    if args.fp8 not in recipes or not hasattr(Float8LinearConfig, "from_recipe_name"):
+        return (f"--fp8 {args.fp8}: torchao {version} is too old for this recipe (its recipes: {', '.join(recipes)}); "
+                f"pip install -r requirements.txt")
+    return None
+
+
+def check_fp8_flags(parser, args):
+    """--fp8's rules (parse_args calls this): a usage error before anything is loaded."""
+    if args.fp8:
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        problem = fp8_problem(args, capability)
+        if problem:
+            parser.error(problem)
+
+
+def is_decoder_linear(module, fqn):
+    """torchao's module_filter_fn: the Linear layers inside model.model.layers, not the lm_head."""
+    return isinstance(module, torch.nn.Linear) and fqn.startswith("model.layers.")
+
+
+def convert_decoder_linears(model, recipe, emulate=False):
+    """Swaps every Linear of the decoder layers for torchao's float8 training Linear of `recipe` (the same weight
+    Parameter: the optimizer, checkpoints and save_pretrained see the same model); returns how many. emulate: torchao's
+    emulation, the same casts with the matmuls in high precision (the CPU tests)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    layers = model.model.layers
+    linears = [sum(isinstance(m, torch.nn.Linear) for m in layer.modules()) for layer in layers]
+    if not emulate:
+        odd = next((f"{name} {tuple(m.weight.shape)}" for name, m in model.named_modules()
+                    if is_decoder_linear(m, name) and any(size % FP8_MATMUL_MULTIPLE for size in m.weight.shape)), None)
+        if odd:
+            raise SystemExit(f"error: --fp8: {odd}: the FP8 matmul needs sizes that are multiples of "
+                             f"{FP8_MATMUL_MULTIPLE}")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, emulate=True) if emulate else config
+    convert_to_float8_training(model, module_filter_fn=is_decoder_linear, config=config)
+    # A plain Linear left in a layer, or none converted, is an error, not a bf16 run under an fp8 name.
+    converted = [sum(isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear for m in layer.modules())
+                 for layer in layers]
+    if converted != linears or not sum(converted) or type(model.lm_head) is not torch.nn.Linear:
+        raise SystemExit(f"error: --fp8 {recipe}: converted {converted} Linear layers per decoder layer, expected "
+                         f"{linears} and the lm_head left as it is")
+    return sum(converted)
+
+
+def compile_decoder_layers(model, backend):
+    """torch.compile each decoder layer in place (nn.Module.compile: the module keeps its class and its parameter
+    names), so the float8 casts between our kernels fuse. Compilation happens at the first forward, after the memory
+    levers are in place; one graph serves every layer (the guards do not depend on which layer runs)."""
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
