@@ -243,7 +243,7 @@ def run_info():
 # Options the default JSON name shows in its fixed parts or through the variant (finetune_baseline.py's peers,
 # finetune_optimized.py's kernels), and options that do not change what a run measures.
 NAMED_OPTIONS = {"model", "dtype", "data", "optimizer", "batch_size", "seq_len", "seq_len_search", "fsdp",
-                 "compile", "liger", "loss", "rmsnorm", "swiglu", "rope"}
+                 "compile", "liger", "loss", "rmsnorm", "swiglu", "rope", "fp8"}
 UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights", "output_dir", "tensorboard", "resume"}
 
 

@@ -312,7 +312,7 @@ def run_info():
 # Options the default JSON name shows in its fixed parts or through the variant (finetune_baseline.py's peers,
 # finetune_optimized.py's kernels), and options that do not change what a run measures.
 NAMED_OPTIONS = {"model", "dtype", "data", "optimizer", "batch_size", "seq_len", "seq_len_search", "fsdp",
-                 "compile", "liger", "loss", "rmsnorm", "swiglu", "rope"}
+                 "compile", "liger", "loss", "rmsnorm", "swiglu", "rope", "fp8"}
 UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights", "output_dir", "tensorboard", "resume"}
 
 
@@ -1044,14 +1044,15 @@ def fine_tune(args, tried=(), write=True):
           f"data {args.data}" + (f", replaced {replaced}" * bool(replaced))
           + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
     print(f"memory plan ({args.memory_plan}): {plan.reason}")
-    if args.compile:
+    if args.compile or args.fp8:
         print(f"torch.compile: backend {COMPILE_BACKEND}, mode {args.compile_mode}"
+              + (", each decoder layer (--fp8)" if not args.compile else "")
               + ("" if HAS_CUDA else " (no CUDA device: aot_eager traces the graphs, generates no code)"))
     result = {**info, "script": Path(__file__).name, "model": args.model, "weights": weights,
               "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
               "replaced": replaced, "world_size": world_size, "options": vars(args),
-              "compile_backend": COMPILE_BACKEND if args.compile else None, "memory_plan": plan_record(plan),
-              "cuda_graph": use_cuda_graph}
+              "compile_backend": COMPILE_BACKEND if args.compile or args.fp8 else None,
+              "memory_plan": plan_record(plan), "cuda_graph": use_cuda_graph}
     out_path = Path(args.out) if args.out else default_out_path(args, weights, result["dtype"], variant, world_size)
     try:
         if args.seq_len_search:
