@@ -35,6 +35,7 @@ import datetime
 import gc
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import platform
@@ -56,6 +57,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
+
+# transformers imports torchao where it is installed (requirements.txt has it for finetune_optimized.py --fp8) to
+# register its quantizer; torchao then logs that its CUDA-only extensions do not load, and torch that torchao registers
+# enums the deprecated way. Neither concerns these runs: those two loggers show errors only.
+for noisy_logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(noisy_logger).setLevel(logging.ERROR)
 
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -50,6 +51,12 @@ from linear_cross_entropy_kernel import linear_cross_entropy
 from rmsnorm_kernel import apply_rmsnorm
 from rope_kernel import apply_rope
 from swiglu_kernel import apply_glu_mlp
+
+# transformers imports torchao where it is installed (requirements.txt has it for finetune_optimized.py --fp8) to
+# register its quantizer; torchao then logs that its CUDA-only extensions do not load, and torch that torchao registers
+# enums the deprecated way. Neither concerns these runs: those two loggers show errors only.
+for noisy_logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(noisy_logger).setLevel(logging.ERROR)
 
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
