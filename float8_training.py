@@ -54,9 +54,26 @@ recipe. At the swap: a decoder Linear whose sizes are not multiples of 16 (the F
 afterwards any decoder Linear left unconverted or a converted lm_head (the count goes into the run's "replaced"
 record). On the CPU, the tests run the same conversion with torchao's emulation (emulate=True: the same casts, the
 matmul in high precision).
+
+Loss parity: run as a script
+----------------------------
+Faster training that learns less is not faster, so a float8 run's loss curve is compared with bf16's from the same
+seed and data. The text to learn is the Python standard library's own source (every machine has it; without a
+tokenizer the scripts train on its UTF-8 bytes), the model configs/llama-small (small enough for 300 steps in
+minutes):
+    python float8_training.py --write-corpus stdlib.txt
+    python finetune_optimized.py --model llama-small --data stdlib.txt --steps 300 --seq-len 2048 --lr 3e-4 \
+        --lr-scheduler cosine --warmup-steps 30 --out bf16.json                  # and again with --fp8 rowwise
+    python float8_training.py --compare bf16.json fp8.json --out results/fp8_loss_parity_h100.json
+The comparison smooths both curves with a trailing mean over --window steps (20) and reports the largest relative gap
+of the smoothed fp8 curve from bf16's (`max_smoothed_rel_gap`), with a PNG of both curves beside the JSON.
 """
 import dataclasses
 import importlib.metadata
+import json
+import sys
+import sysconfig
+from pathlib import Path
 
 import torch
 
@@ -148,3 +165,112 @@ def compile_decoder_layers(model, backend):
     levers are in place; one graph serves every layer (the guards do not depend on which layer runs)."""
     for layer in model.model.layers:
         layer.compile(backend=backend)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loss parity: the script
+
+# What two runs must share for their loss curves to be comparable (the fine-tune scripts' "options" in their JSON).
+SAME_RUN_OPTIONS = ("model", "data", "seed", "steps", "batch_size", "seq_len", "grad_accum_steps", "lr", "lr_scheduler",
+                    "warmup_steps", "max_grad_norm", "dtype")
+
+
+def write_corpus(path):
+    """The standard library's .py sources (this interpreter's, sorted by path) as one UTF-8 text file; returns its size
+    in bytes."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sources = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(root.rglob("*.py"))
+               if "site-packages" not in p.parts and "test" not in p.parts]
+    text = "\n".join(sources)
+    Path(path).write_text(text, encoding="utf-8")
+    return len(text.encode("utf-8"))
+
+
+def smoothed(losses, window):
+    """Trailing mean over `window` steps: step i averages steps max(0, i - window + 1) .. i."""
+    sums, total = [], 0.0
+    for i, loss in enumerate(losses):
+        total += loss - (losses[i - window] if i >= window else 0.0)
+        sums.append(total / min(i + 1, window))
+    return sums
+
+
+def compare_runs(reference, candidate, window):
+    """The parity record of two fine-tune JSONs (bf16 reference, float8 candidate): both curves raw and smoothed and
+    the largest relative gap of the smoothed candidate from the smoothed reference. Runs that differ in what decides
+    the loss curve (SAME_RUN_OPTIONS) are refused with the first difference."""
+    for name in SAME_RUN_OPTIONS:
+        if reference["options"].get(name) != candidate["options"].get(name):
+            raise SystemExit(f"error: --compare: the runs differ in --{name.replace('_', '-')} "
+                             f"({reference['options'].get(name)!r} and {candidate['options'].get(name)!r}): their losses "
+                             f"are not comparable")
+    curves = {"reference": reference["losses"], "candidate": candidate["losses"]}
+    smooth = {key: smoothed(losses, window) for key, losses in curves.items()}
+    gaps = [abs(c - r) / abs(r) for r, c in zip(smooth["reference"], smooth["candidate"])]
+    return {"reference": {"variant": reference["variant"], "device": reference["device"],
+                          "git_commit": reference["git_commit"], "losses": curves["reference"],
+                          "smoothed": smooth["reference"]},
+            "candidate": {"variant": candidate["variant"], "device": candidate["device"],
+                          "git_commit": candidate["git_commit"], "losses": curves["candidate"],
+                          "smoothed": smooth["candidate"]},
+            "window": window, "steps": len(gaps), "max_smoothed_rel_gap": max(gaps),
+            "at_step": candidate["start_step"] + 1 + gaps.index(max(gaps)), "options": reference["options"]}
+
+
+def plot_parity(record, path):
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for key, color in (("reference", "tab:blue"), ("candidate", "tab:red")):
+        run = record[key]
+        steps = range(1, len(run["losses"]) + 1)
+        axes.plot(steps, run["losses"], color=color, alpha=0.25, linewidth=0.8)
+        axes.plot(steps, run["smoothed"], color=color, label=f"{run['variant']} ({record['window']}-step mean)")
+    axes.set(xlabel="step", ylabel="training loss", title=f"{record['options']['model']}: max smoothed relative gap "
+             f"{100 * record['max_smoothed_rel_gap']:.2f} % ({record['candidate']['device']})")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Float8 loss parity: the corpus to train on, and the comparison of a "
+                                     "float8 run's losses with bf16's (see this file's docstring for the commands)")
+    parser.add_argument("--write-corpus", metavar="PATH", help="write the standard library's sources to PATH (.txt)")
+    parser.add_argument("--compare", nargs=2, metavar=("BF16_JSON", "FP8_JSON"),
+                        help="the fine-tune scripts' results JSON of the bf16 run and of the float8 run")
+    parser.add_argument("--window", type=int, default=20, help="steps of the trailing mean both curves are smoothed by")
+    parser.add_argument("--out", default="fp8_loss_parity.json", help="the parity JSON (its PNG goes beside it)")
+    args = parser.parse_args(argv)
+    if not args.write_corpus and not args.compare:
+        parser.error("nothing to do: give --write-corpus PATH and/or --compare BF16_JSON FP8_JSON")
+    if args.window < 1:
+        parser.error("--window must be positive")
+    if args.write_corpus:
+        print(f"{args.write_corpus}: {write_corpus(args.write_corpus) / 2**20:.1f} MiB of standard library source")
+    if args.compare:
+        runs = []
+        for path in args.compare:
+            try:
+                runs.append(json.loads(Path(path).read_text()))
+            except (OSError, ValueError) as err:
+                parser.error(f"--compare {path}: not a readable results JSON ({err})")
+            if not runs[-1].get("losses"):
+                parser.error(f"--compare {path}: no per-step losses (a --seq-len-search run?)")
+        record = compare_runs(*runs, args.window)
+        record["command"] = [sys.executable, *sys.argv]
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        plot_parity(record, out.with_suffix(".png"))
+        print(f"max smoothed relative gap {100 * record['max_smoothed_rel_gap']:.2f} % (step {record['at_step']}, "
+              f"{record['window']}-step means): {out}, {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

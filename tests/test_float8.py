@@ -25,6 +25,10 @@ tiny LLaMA with our RMSNorm, SwiGLU and RoPE patched in and the loss through the
   old for the recipe, a layer whose sizes the FP8 matmul cannot take: each one line. The run's variant names the
   recipe. And end to end: finetune_optimized.py --fp8 rowwise trains 2 steps with the device check lifted (the CPU's
   own float8 matmul, torch._scaled_mm, stands in for the GPU's), its layers compiled, and reports the conversion.
+- Loss parity (float8_training.py as a script): the trailing mean equals numpy's over every window; the largest
+  smoothed relative gap of two runs' JSONs is the one computed by hand, at the step where it occurs, with the JSON
+  and the PNG written; runs that differ in data, seed or another option that shapes the curve are refused; the
+  corpus is the standard library's source. configs/llama-small's decoder Linears all suit the FP8 matmul.
 """
 import dataclasses
 import importlib
@@ -256,3 +260,65 @@ def test_finetune_fp8_end_to_end(monkeypatch, tmp_path, capsys, fresh_dynamo):
     assert len(result["losses"]) == 2 and all(0 < loss < 10 for loss in result["losses"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled decoder layers ran
     assert "float8_linear" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loss parity: float8_training.py as a script
+
+def test_smoothed_is_the_trailing_mean():
+    losses = torch.rand(57, generator=torch.Generator().manual_seed(3)).add(2).tolist()
+    for window in (1, 5, 20, 80):
+        expected = [sum(losses[max(0, i - window + 1):i + 1]) / min(i + 1, window) for i in range(len(losses))]
+        assert float8_training.smoothed(losses, window) == pytest.approx(expected, rel=1e-12)
+
+
+def parity_run(losses, variant, **options):
+    base = {"model": "llama-small", "data": "stdlib.txt", "seed": 0, "steps": len(losses), "batch_size": 1,
+            "seq_len": 2048, "grad_accum_steps": 1, "lr": 3e-4, "lr_scheduler": "cosine", "warmup_steps": 3,
+            "max_grad_norm": 1.0, "dtype": "auto"}
+    return {"variant": variant, "device": "NVIDIA H100 80GB HBM3", "git_commit": "abc1234", "start_step": 0,
+            "losses": losses, "options": {**base, **options}}
+
+
+def test_compare_reports_the_largest_smoothed_gap(tmp_path):
+    generator = torch.Generator().manual_seed(4)
+    reference = torch.linspace(8, 3, 60).add(0.1 * torch.rand(60, generator=generator)).tolist()
+    candidate = [r * (1 + (0.05 if 30 <= i < 40 else 0.001)) for i, r in enumerate(reference)]  # a bump at 31..40
+    paths = []
+    for losses, variant in ((reference, "rmsnorm+linear_ce"), (candidate, "rmsnorm+linear_ce+fp8-rowwise")):
+        paths.append(tmp_path / f"{variant}.json")
+        paths[-1].write_text(json.dumps(parity_run(losses, variant)))
+    out = tmp_path / "results" / "fp8_loss_parity.json"
+    float8_training.main(["--compare", *map(str, paths), "--window", "5", "--out", str(out)])
+    record = json.loads(out.read_text())
+    smooth_r, smooth_c = float8_training.smoothed(reference, 5), float8_training.smoothed(candidate, 5)
+    gaps = [abs(c - r) / r for r, c in zip(smooth_r, smooth_c)]
+    assert record["max_smoothed_rel_gap"] == pytest.approx(max(gaps)) and 0.04 < record["max_smoothed_rel_gap"] < 0.05
+    assert record["at_step"] == 1 + gaps.index(max(gaps)) and 35 <= record["at_step"] <= 40
+    assert record["candidate"]["losses"] == candidate and record["window"] == 5
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("option, value", [("data", "other.txt"), ("seed", 1), ("lr", 1e-4), ("steps", 10)])
+def test_compare_refuses_runs_that_differ(tmp_path, option, value):
+    losses = [5.0, 4.0, 3.5, 3.2, 3.0]
+    runs = [parity_run(losses, "bf16"), parity_run(losses, "fp8", **{option: value})]
+    with pytest.raises(SystemExit, match=f"^error: --compare: the runs differ in --{option.replace('_', '-')} "):
+        float8_training.compare_runs(*runs, 2)
+
+
+def test_corpus_is_the_standard_library_source(tmp_path):
+    path = tmp_path / "stdlib.txt"
+    size = float8_training.write_corpus(path)
+    text = path.read_text(encoding="utf-8")
+    assert size > 2**20 and "def " in text and "import " in text
+
+
+def test_llama_small_suits_the_fp8_matmul():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(ROOT / "configs" / "llama-small")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = [m.weight.shape for name, m in model.named_modules() if float8_training.is_decoder_linear(m, name)]
+    assert len(shapes) == 7 * config.num_hidden_layers
+    assert all(size % float8_training.FP8_MATMUL_MULTIPLE == 0 for shape in shapes for size in shape)
