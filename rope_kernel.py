@@ -92,8 +92,7 @@ def _round_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-__all__ = ["rope_forward", "rope_backward", "RoPEFunction", "apply_rotary_pos_emb", "patch_llama_rope",
-           "llama_attention_count"]
+__all__ = ["rope_forward", "rope_backward", "RoPEFunction", "apply_rotary_pos_emb", "apply_rope", "ROPE_FAMILIES"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -470,34 +469,6 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     raise NotImplementedError(f"apply_rotary_pos_emb: unsqueeze_dim={unsqueeze_dim} is not supported; use 1 "
                               f"(q, k as [batch, heads, tokens, head_dim], LLaMA's layout) or 2 "
                               f"([batch, tokens, heads, head_dim])")
-
-
-def patch_llama_rope(model=None, expected=None):
-    """Make transformers' LLaMA attention use the fused kernel; returns the function it replaced (to restore it:
-    `modeling_llama.apply_rotary_pos_emb = returned`).
-
-    LlamaAttention.forward calls the module-level name `apply_rotary_pos_emb` of
-    transformers.models.llama.modeling_llama, looked up at call time, so replacing that name switches every LLaMA
-    model in this process, already built or not. Other model families have their own copies and are untouched, so
-    the patch alone cannot tell whether it reaches a given model: pass `model` and `expected` (its decoder layer
-    count) to raise ValueError, before patching, unless that many of its modules are LlamaAttention layers."""
-    if expected is not None:
-        if model is None:
-            raise ValueError("patch_llama_rope: expected= needs the model whose attention layers to count")
-        found = llama_attention_count(model)
-        if found != expected:
-            raise ValueError(f"patch_llama_rope: the model has {found} LlamaAttention modules that would call the "
-                             f"fused kernel, expected {expected}")
-    from transformers.models.llama import modeling_llama
-    replaced = modeling_llama.apply_rotary_pos_emb
-    modeling_llama.apply_rotary_pos_emb = apply_rotary_pos_emb
-    return replaced
-
-
-def llama_attention_count(model):
-    """How many modules of model call the patched function: its LlamaAttention layers (one per decoder layer)."""
-    from transformers.models.llama.modeling_llama import LlamaAttention
-    return sum(isinstance(module, LlamaAttention) for module in model.modules())
 
 
 # The attention class of each supported model family (transformers' config.model_type). Each family's modeling file

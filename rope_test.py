@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import rope_kernel  # sets TRITON_INTERPRET=1 before importing triton when there is no GPU
-from rope_kernel import apply_rotary_pos_emb, patch_llama_rope, rope_backward, rope_forward
+from rope_kernel import apply_rope, apply_rotary_pos_emb, rope_backward, rope_forward
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402  (after the kernel module: Triton set-up)
 from transformers.models.llama import modeling_llama  # noqa: E402
@@ -420,18 +420,17 @@ def test_patch_llama(dtype_name):
     launches = []
     original_forward = rope_kernel.rope_forward
     rope_kernel.rope_forward = lambda *a, **kw: launches.append(1) or original_forward(*a, **kw)  # counts calls
-    # a count that does not match the model refuses to patch (a model that is not a LLaMA would never call it)
-    with pytest.raises(ValueError, match="has 2 LlamaAttention modules .* expected 3"):
-        patch_llama_rope(model, expected=3)
-    with pytest.raises(ValueError, match="needs the model"):
-        patch_llama_rope(expected=2)
+    # a count that does not match the config refuses to patch (a model whose attention would not call it)
+    model.config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="found 2 LlamaAttention modules in this llama model, expected 3"):
+        apply_rope(model)
+    model.config.num_hidden_layers = 2
     assert modeling_llama.apply_rotary_pos_emb is HF_APPLY_ROPE, "a refused patch must change nothing"
-    replaced = patch_llama_rope(model, expected=2)
     try:
-        assert replaced is HF_APPLY_ROPE and modeling_llama.apply_rotary_pos_emb is apply_rotary_pos_emb
+        assert apply_rope(model) == 2 and modeling_llama.apply_rotary_pos_emb is apply_rotary_pos_emb
         ours = _loss_and_grads(model, input_ids)
     finally:
-        modeling_llama.apply_rotary_pos_emb = replaced
+        modeling_llama.apply_rotary_pos_emb = HF_APPLY_ROPE
         rope_kernel.rope_forward = original_forward
     assert modeling_llama.apply_rotary_pos_emb is HF_APPLY_ROPE
     assert len(launches) == 2, f"the patched model called the kernel {len(launches)} times, expected one per layer"
