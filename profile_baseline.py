@@ -202,6 +202,12 @@ def builtin_config(name):
     return AutoConfig.from_pretrained(folder) if (folder / "config.json").is_file() else None
 
 
+def is_builtin(name):
+    """Whether --model names a built-in architecture: a bare name (no org/, nothing of that name here) of a configs/
+    folder. Such a model has random weights and no tokenizer."""
+    return "/" not in name and not Path(name).exists() and (CONFIGS / name.lower() / "config.json").is_file()
+
+
 def is_local_path(name):
     """A Hub id is `name` or `org/name`: a name that exists here, starts with / . ~ or has 2 slashes is a local path."""
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
@@ -226,7 +232,7 @@ def load_model(args, device, dtype):
     the built-in config of the Hub id's name, builds the architecture with random weights. A local --model that does
     not exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
     name = args.model  # "~" already expanded by the parser
-    config = None if "/" in name or Path(name).exists() else builtin_config(name)
+    config = builtin_config(name) if is_builtin(name) else None
     if config is None:
         if is_local_path(name) and not Path(name).is_dir():
             raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
