@@ -641,31 +641,51 @@ def host_memory_available():
         return 0
 
 
+def checkpoint_state(model, optimizers):
+    """The tensors a checkpoint holds (model and optimizer state, optimizer state flattened so that one AdamW and one
+    AdamW per parameter share a layout) and their size in bytes; a sharded tensor counts its global size."""
+    model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
+    size = sum(t.numel() * t.element_size() for part in (model_state, optimizer_state) for t in part.values()
+               if isinstance(t, torch.Tensor))
+    return {"model": model_state, "optimizer": optimizer_state}, size
+
+
 def checkpoint_stager(size):
     """Where async_save copies the state before the background write, the one part of a checkpoint training waits for.
     async_save's own stager copies into freshly allocated pageable memory every time: for an 8B run (45 GB) that held
-    training for half a minute. Ours copies into pinned host buffers, allocated at the first checkpoint and reused by
-    every later one (the stager keeps them, keyed by the GPU tensors they mirror), with non-blocking copies at the
-    PCIe rate. The buffers stay allocated, so they are used only where the host has room for them beside what it
-    already holds (a fifth to spare); a checkpoint's write ends before the next one stages into the same buffers."""
+    training for half a minute. Ours copies into pinned host buffers, allocated once and reused by every checkpoint
+    (the stager keeps them, keyed by the GPU tensors they mirror), with non-blocking copies at the PCIe rate. The
+    buffers stay allocated, so they are used only where the host has room for them beside what it already holds (a
+    fifth to spare); a checkpoint's write ends before the next one stages into the same buffers."""
     pinned = HAS_CUDA and 1.2 * size < host_memory_available()
     return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=pinned)), pinned
 
 
-def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size, stager=None):
+def prepare_checkpoint_staging(model, optimizers):
+    """The run's checkpoint stager, made after the warm-up step (the optimizer state exists from then on). A pinned
+    one stages the state once right away: allocating and pinning tens of GB of host memory takes seconds, which the
+    run then spends before its timed steps, and every checkpoint, the first included, holds training only for the
+    copy. Returns (stager, pinned, seconds spent)."""
+    t0 = time.perf_counter()
+    state, size = checkpoint_state(model, optimizers)
+    stager, pinned = checkpoint_stager(size)
+    if pinned:
+        stager.stage(state)
+    return stager, pinned, time.perf_counter() - t0
+
+
+def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size, staging):
     """Starts DIR/checkpoint-<step>: model and optimizer state through torch.distributed.checkpoint (every rank writes
     its own shards), plus the schedule, the step (which is also the data position: the batches are a function of the
-    arguments) and the RNG states. Training waits only while async_save copies the state to host memory (with
-    `stager`, the run's checkpoint_stager, made here at the first checkpoint); a background thread writes it to
+    arguments) and the RNG states. Training waits only while async_save copies the state to host memory (through
+    `staging`, from prepare_checkpoint_staging); a background thread writes it to
     DIR/.partial-checkpoint-<step> while the next steps run. finish_checkpoint waits for that write, then renames the
     folder checkpoint-<step> and only then deletes the checkpoints beyond --save-total-limit: a run killed at any
     moment leaves the last complete checkpoint whole."""
     out, t0 = Path(args.output_dir), time.perf_counter()
     partial = out / f".partial-checkpoint-{step}"
-    model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
-    size = sum(t.numel() * t.element_size() for part in (model_state, optimizer_state) for t in part.values()
-               if isinstance(t, torch.Tensor))  # a sharded tensor counts its global size
+    state, size = checkpoint_state(model, optimizers)
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     if size > free:
@@ -674,15 +694,13 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size,
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
-    stager, pinned = stager or checkpoint_stager(size)
     with warnings.catch_warnings():  # one process without a process group is the intended use here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial,
-                                async_stager=stager)
+        future = dcp.async_save(state, checkpoint_id=partial, async_stager=staging[0])
     trainer_state = {"step": step, "world_size": world_size, "model": args.model, "rng": rng,
                      "scheduler": schedulers[0].state_dict()}
     return {"step": step, "bytes": size, "stage_s": time.perf_counter() - t0, "t0": t0, "future": future,
-            "partial": partial, "trainer_state": trainer_state, "stager": (stager, pinned)}
+            "partial": partial, "trainer_state": trainer_state, "pinned": staging[1]}
 
 
 def finish_checkpoint(args, pending, rank, world_size):
@@ -702,7 +720,7 @@ def finish_checkpoint(args, pending, rank, world_size):
     if world_size > 1:
         dist.barrier()
     return {"step": pending["step"], "bytes": pending["bytes"], "stage_s": pending["stage_s"],
-            "staging": "pinned" if pending["stager"][1] else "pageable", "write_s": time.perf_counter() - pending["t0"]}
+            "staging": "pinned" if pending["pinned"] else "pageable", "write_s": time.perf_counter() - pending["t0"]}
 
 
 def write_done(pending, world_size):
@@ -843,7 +861,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(args.tensorboard)
-    records, step_times, evals, saved, pending, stager = [], [], [], [], None, None
+    records, step_times, evals, saved, pending, staging = [], [], [], [], None, None
     progress = tqdm(range(start_step + 1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
     for step in progress:
         if step == start_step + warmup_steps + 1 and HAS_CUDA and warmup_steps == 1:
@@ -872,15 +890,19 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
         if pending is not None and (write_done(pending, world_size) or step % args.save_steps == 0):
             saved.append(finish_checkpoint(args, pending, rank, world_size))
             pending = None
+        if args.save_steps and staging is None:
+            staging = prepare_checkpoint_staging(model_with_loss.model, optimizers)
+            if rank == 0:
+                print(f"checkpoint staging: {'pinned' if staging[1] else 'pageable'} host memory, ready in "
+                      f"{staging[2]:.1f} s")
         if args.save_steps and step % args.save_steps == 0:
             pending = save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size,
-                                      stager)
-            stager = pending["stager"]  # its host buffers serve every later checkpoint of the run
+                                      staging)
     progress.close()
     if pending is not None:
         saved.append(finish_checkpoint(args, pending, rank, world_size))
-    if stager is not None:
-        stager[0].close()
+    if staging is not None:
+        staging[0].close()
     if writer:
         writer.close()
 
@@ -912,7 +934,9 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             "peak_memory_gib": peak_bytes / 2**30 if HAS_CUDA else None, "peak_memory_bytes": peak_bytes,
             "peak_memory_gib_per_rank": [b / 2**30 if b is not None else None for b in peak_bytes_per_rank],
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
-            "step_ms": [1e3 * s for s in step_times], "evals": evals, "checkpoints": saved}
+            "step_ms": [1e3 * s for s in step_times], "evals": evals, "checkpoints": saved,
+            "checkpoint_staging": None if staging is None else {"staging": "pinned" if staging[1] else "pageable",
+                                                                "ready_s": staging[2]}}
 
 # ----------------------------------------------------------------------------------------------------------------------
 
