@@ -70,7 +70,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import fully_shard
@@ -650,29 +651,54 @@ def checkpoint_state(model, optimizers):
     return {"model": model_state, "optimizer": optimizer_state}, size
 
 
-def checkpoint_stager(size):
+class CheckpointStager(AsyncStager):
     """Where async_save copies the state before the background write, the one part of a checkpoint training waits for.
     async_save's own stager copies into freshly allocated pageable memory every time: for an 8B run (45 GB) that held
-    training for half a minute. Ours copies into pinned host buffers, allocated once and reused by every checkpoint
-    (the stager keeps them, keyed by the GPU tensors they mirror), with non-blocking copies at the PCIe rate. The
-    buffers stay allocated, so they are used only where the host has room for them beside what it already holds (a
-    fifth to spare); a checkpoint's write ends before the next one stages into the same buffers."""
-    pinned = HAS_CUDA and 1.2 * size < host_memory_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=pinned)), pinned
+    training for half a minute. A pinned CheckpointStager copies into pinned host buffers, allocated once and reused by
+    every checkpoint (torch's StateDictStager keeps them, keyed by the GPU storage each mirrors), with non-blocking
+    copies at the PCIe rate. torch's DefaultStager cannot be the reusing one: in torch 2.11 it empties that cache after
+    every copy. A checkpoint's write ends before the next one stages into the same buffers (finish_checkpoint)."""
+    _synchronize_after_execute = False  # stage() returns with the copy complete
+
+    def __init__(self, pinned):
+        self.pinned = pinned
+        self.buffers = StateDictStager(pin_memory=True) if pinned else None
+
+    def stage(self, state_dict):
+        if not self.pinned:  # a fresh pageable copy, freed after its write (async_save's own behaviour)
+            copier = StateDictStager()
+            staged = copier.stage(state_dict)
+            copier.close()  # drops its cache and the reference cycle of its copy table, not the copy
+            return staged
+        staged = self.buffers.stage(state_dict, non_blocking=True)
+        torch.cuda.synchronize()  # the copies are queued behind the step: done before the next step changes the state
+        return staged
+
+    def synchronize_staging(self):
+        pass
+
+    def close(self):
+        if self.buffers is not None:
+            self.buffers.close()
+
+
+def checkpoint_stager(size):
+    """The run's CheckpointStager for a checkpoint of `size` bytes: pinned where the host has room for buffers that
+    stay allocated beside what it already holds (a fifth to spare) and CUDA can pin them, pageable otherwise."""
+    return CheckpointStager(pinned=HAS_CUDA and 1.2 * size < host_memory_available())
 
 
 def prepare_checkpoint_staging(model, optimizers):
     """The run's checkpoint stager, made after the warm-up step (the optimizer state exists from then on). A pinned
     one stages the state once right away: allocating and pinning tens of GB of host memory takes seconds, which the
     run then spends before its timed steps, and every checkpoint, the first included, holds training only for the
-    copy. Returns (stager, pinned, seconds spent)."""
+    copy. Returns (stager, seconds spent)."""
     t0 = time.perf_counter()
     state, size = checkpoint_state(model, optimizers)
-    stager, pinned = checkpoint_stager(size)
-    if pinned:
+    stager = checkpoint_stager(size)
+    if stager.pinned:
         stager.stage(state)
-    return stager, pinned, time.perf_counter() - t0
+    return stager, time.perf_counter() - t0
 
 
 def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size, staging):
@@ -700,7 +726,7 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size,
     trainer_state = {"step": step, "world_size": world_size, "model": args.model, "rng": rng,
                      "scheduler": schedulers[0].state_dict()}
     return {"step": step, "bytes": size, "stage_s": time.perf_counter() - t0, "t0": t0, "future": future,
-            "partial": partial, "trainer_state": trainer_state, "pinned": staging[1]}
+            "partial": partial, "trainer_state": trainer_state, "pinned": staging[0].pinned}
 
 
 def finish_checkpoint(args, pending, rank, world_size):
@@ -893,8 +919,8 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
         if args.save_steps and staging is None:
             staging = prepare_checkpoint_staging(model_with_loss.model, optimizers)
             if rank == 0:
-                print(f"checkpoint staging: {'pinned' if staging[1] else 'pageable'} host memory, ready in "
-                      f"{staging[2]:.1f} s")
+                print(f"checkpoint staging: {'pinned' if staging[0].pinned else 'pageable'} host memory, ready in "
+                      f"{staging[1]:.1f} s")
         if args.save_steps and step % args.save_steps == 0:
             pending = save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size,
                                       staging)
@@ -935,8 +961,8 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             "peak_memory_gib_per_rank": [b / 2**30 if b is not None else None for b in peak_bytes_per_rank],
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
             "step_ms": [1e3 * s for s in step_times], "evals": evals, "checkpoints": saved,
-            "checkpoint_staging": None if staging is None else {"staging": "pinned" if staging[1] else "pageable",
-                                                                "ready_s": staging[2]}}
+            "checkpoint_staging": None if staging is None else {"staging": "pinned" if staging[0].pinned else "pageable",
+                                                                "ready_s": staging[1]}}
 
 # ----------------------------------------------------------------------------------------------------------------------
 

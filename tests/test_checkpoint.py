@@ -216,19 +216,28 @@ def test_checkpoint_staging_pins_only_what_the_host_has_room_for():
     into pageable memory like async_save's own stager; without CUDA nothing can be pinned."""
     available = finetune_optimized.host_memory_available()
     assert available > 0  # Linux: /proc/meminfo
-    stager, pinned = finetune_optimized.checkpoint_stager(10 * available)
-    assert not pinned and not stager._config.use_pinned_memory
-    stager.close()
-    stager, pinned = finetune_optimized.checkpoint_stager(2**20)
-    assert pinned == torch.cuda.is_available() and stager._config.use_non_blocking_copy == pinned
+    assert not finetune_optimized.checkpoint_stager(10 * available).pinned
+    assert finetune_optimized.checkpoint_stager(2**20).pinned == torch.cuda.is_available()
+
+
+def test_pageable_staging_copies_every_checkpoint_afresh():
+    """Without room to pin, each checkpoint gets its own host copy of the values at its step, as async_save's own
+    stager gives; the stager stays usable for the next checkpoint (torch 2.11's DefaultStager does not)."""
+    stager = finetune_optimized.CheckpointStager(pinned=False)
+    state = {"w": torch.randn(64, 32), "step": 3}
+    first = stager.stage(state)
+    state["w"].mul_(2)
+    second = stager.stage(state)
+    assert torch.equal(first["w"] * 2, second["w"]) and torch.equal(second["w"], state["w"])
+    assert second["w"].data_ptr() not in (first["w"].data_ptr(), state["w"].data_ptr()) and second["step"] == 3
     stager.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a CUDA GPU")
 def test_pinned_staging_reuses_its_buffers_and_copies_the_values():
     state = {"w": torch.randn(1024, 1024, device="cuda"), "m": torch.randn(4096, device="cuda")}
-    stager, pinned = finetune_optimized.checkpoint_stager(2**20)
-    assert pinned
+    stager = finetune_optimized.checkpoint_stager(2**20)
+    assert stager.pinned
     first = stager.stage(state)
     state["w"].mul_(2)  # the next checkpoint's values
     second = stager.stage(state)
