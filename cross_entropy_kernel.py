@@ -69,14 +69,6 @@ import triton.language as tl  # noqa: E402
 INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 KERNEL_DEVICE = "cpu" if INTERPRETER else "cuda"
 
-
-def _check_device(who, name, tensor):
-    """Raise a clear error unless `tensor` lives where the kernels run."""
-    if tensor.device.type != KERNEL_DEVICE:
-        raise ValueError(f"{who}: {name} is on {tensor.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
-                         f"move it to {KERNEL_DEVICE}")
-
-
 __all__ = ["cross_entropy", "CrossEntropyFunction", "TritonCrossEntropyLoss", "cross_entropy_forward",
            "cross_entropy_backward", "CrossEntropyOutput"]
 
@@ -641,9 +633,12 @@ def _scale_rows_kernel(
 # 2. Launchers
 # ----------------------------------------------------------------------------------------------------------------------
 _REDUCTIONS = ("mean", "sum", "none")
-# The extras' scalars the kernels take as fp32, and the softcap's slope divides by softcap^2: each must survive that.
+# Each scalar option's (low, high, what the range means). The kernels take the extras' scalars as fp32, and the
+# softcap's slope divides by softcap^2: each must survive that.
 _FP32 = torch.finfo(torch.float32)
-_EXTRA_RANGES = {"lse_square_scale": (0.0, _FP32.max), "softcap": (math.sqrt(_FP32.tiny), math.sqrt(_FP32.max))}
+_NUMBER_RANGES = {"label_smoothing": (0.0, 1.0, ""), "lse_square_scale": (0.0, _FP32.max, " (finite in float32)"),
+                  "softcap": (math.sqrt(_FP32.tiny), math.sqrt(_FP32.max),
+                              " (finite in float32, its square too; None: no softcap)")}
 _LANE_WIDTH = 8  # columns per lane: 8 x 2 bytes = one 16-byte load per thread for bf16
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
 # Below this many rows per multiprocessor the shared-memory kernel's first row per program waits for all its loads and
@@ -748,13 +743,19 @@ def _on_tensor_device(t):
     return contextlib.nullcontext()
 
 
+def _check_number(who, name, value):
+    """A scalar option: a Python number (not a bool, not a tensor) within its _NUMBER_RANGES."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{who}: {name} must be a Python number, got {type(value).__name__}")
+    low, high, meaning = _NUMBER_RANGES[name]
+    if not low <= value <= high:  # also false for NaN
+        raise ValueError(f"{who}: {name} must be in [{low:.3g}, {high:.3g}]{meaning}, got {value}")
+
+
 def _check_common_args(who, reduction, label_smoothing):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{who}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise TypeError(f"{who}: label_smoothing must be a Python number, got {type(label_smoothing).__name__}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{who}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    _check_number(who, "label_smoothing", label_smoothing)
 
 
 def _check_extras(who, extras, V=None, device=None, weight_name="weight"):
@@ -762,27 +763,18 @@ def _check_extras(who, extras, V=None, device=None, weight_name="weight"):
     below). V and device, which a module's constructor does not know yet, check the class weights' shape and device."""
     weight = extras["weight"]
     if weight is not None:
+        what = f"{who}: {weight_name} (class weights)"
         if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"{who}: {weight_name} (class weights) must be a torch.Tensor or None, got "
-                            f"{type(weight).__name__}")
+            raise TypeError(f"{what} must be a torch.Tensor or None, got {type(weight).__name__}")
         if not weight.dtype.is_floating_point:
-            raise TypeError(f"{who}: {weight_name} (class weights) must be floating point, got dtype {weight.dtype}")
+            raise TypeError(f"{what} must be floating point, got dtype {weight.dtype}")
         if V is not None and tuple(weight.shape) != (V,):
-            raise ValueError(f"{who}: {weight_name} (class weights) must have shape [V] = [{V}], got "
-                             f"{tuple(weight.shape)}")
+            raise ValueError(f"{what} must have shape [V] = [{V}], got {tuple(weight.shape)}")
         if device is not None and weight.device != device:
-            raise ValueError(f"{who}: {weight_name} (class weights) is on {weight.device}, the other inputs on "
-                             f"{device}; put them on one device")
-    for name in ("lse_square_scale", "softcap"):
-        value = extras[name]
-        if name == "softcap" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{who}: {name} must be a Python number, got {type(value).__name__}")
-        low, high = _EXTRA_RANGES[name]
-        if not low <= value <= high:  # also false for NaN
-            raise ValueError(f"{who}: {name} must be in [{low:.3g}, {high:.3g}] (finite in float32"
-                             f"{', its square too; None: no softcap' if name == 'softcap' else ''}), got {value}")
+            raise ValueError(f"{what} is on {weight.device}, the other inputs on {device}; put them on one device")
+    _check_number(who, "lse_square_scale", extras["lse_square_scale"])
+    if extras["softcap"] is not None:
+        _check_number(who, "softcap", extras["softcap"])
     for name in ("return_z_loss", "return_token_accuracy", "return_predicted_tokens"):
         if not isinstance(extras[name], bool):
             raise TypeError(f"{who}: {name} must be True or False, got {extras[name]!r}")
@@ -820,7 +812,9 @@ def _validate_rows(who, rows, targets, reduction, label_smoothing, V=None, name=
     if targets.device != rows.device:
         raise ValueError(f"{who}: targets is on {targets.device} but {name} is on {rows.device}; put them on one "
                          f"device")
-    _check_device(who, name, rows)
+    if rows.device.type != KERNEL_DEVICE:
+        raise ValueError(f"{who}: {name} is on {rows.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
+                         f"move it to {KERNEL_DEVICE}")
     _check_common_args(who, reduction, label_smoothing)
 
 
