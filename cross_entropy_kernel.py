@@ -668,12 +668,10 @@ def _launch_shape(V, itemsize, on_gpu, block_v=None):
     several chunks per row), CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms.
     """
     chunks_per_step = 2 if itemsize <= 2 else 1
-    if not on_gpu:
-        return block_v or min(256, triton.next_power_of_2(max(V, 1))), 4, chunks_per_step, None
-    if chunks_per_step == 2:
-        # The register cap belongs to the measured shape, not to a test's chunk width.
-        return block_v or min(8192, triton.next_power_of_2(max(V, 1))), 32, 2, None if block_v else 32
-    return block_v or min(16384, triton.next_power_of_2(max(V, 1))), 32, 1, None
+    widest = 256 if not on_gpu else 8192 if chunks_per_step == 2 else 16384
+    # The register cap belongs to the measured shape, not to a test's chunk width.
+    maxnreg = 32 if on_gpu and chunks_per_step == 2 and not block_v else None
+    return block_v or min(widest, triton.next_power_of_2(max(V, 1))), 32 if on_gpu else 4, chunks_per_step, maxnreg
 
 
 @functools.cache
@@ -979,16 +977,13 @@ class _LossTerms:
         """The loss (cross-entropy plus z-loss), reduced; with a return_* flag, a CrossEntropyOutput."""
         shape = self.targets.shape
         loss = _reduce(self.losses, self.reduction, self.denominator, shape)
-        return_z_loss, return_token_accuracy, return_predicted_tokens = self.returns
-        z_loss = None
+        return_z_loss, return_token_accuracy, _ = self.returns
+        z_loss = accuracy = predicted = None
         if self.extras.z_losses is not None:
             z_loss = _reduce(self.extras.z_losses, self.reduction, self.n_valid, shape)
             loss = loss + z_loss
         elif return_z_loss:
             z_loss = _reduce(torch.zeros_like(self.losses), self.reduction, self.n_valid, shape)
-        if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
-            return loss
-        accuracy = predicted = None
         if self.extras.predicted is not None:
             predicted = self.extras.predicted.view(shape)
         if return_token_accuracy:
@@ -996,8 +991,7 @@ class _LossTerms:
             # of the non-ignored rows, NaN when there is none, as 0 / 0 in PyTorch).
             correct = ((predicted == self.targets) & (self.targets != self.ignore_index)).to(torch.float32)
             accuracy = correct if self.reduction == "none" else correct.sum() / self.n_valid
-        return CrossEntropyOutput(loss, z_loss if return_z_loss else None, accuracy,
-                                  predicted if return_predicted_tokens else None)
+        return _from_fields((loss, z_loss, accuracy, predicted), *self.returns)
 
 
 def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -1133,7 +1127,7 @@ def _fake_fields(targets, reduction, return_z_loss, return_token_accuracy, retur
 
 
 def _from_fields(fields, return_z_loss, return_token_accuracy, return_predicted_tokens):
-    """The functional API's result from an operator's four fields: the loss, or a CrossEntropyOutput."""
+    """The result from the four fields (an operator's, or _LossTerms'): the loss, or a CrossEntropyOutput."""
     loss, z_loss, accuracy, predicted = fields
     if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
         return loss
