@@ -41,10 +41,8 @@ Limits
 Class-index targets only (no probability targets); fp32 arithmetic and loss, gradient in the logits' dtype;
 targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the stored gradient in
 place, so it runs once. The shared-memory kernel runs only on compute capability 9.x with a Triton whose Gluon has
-what it uses; every other GPU, and fp32 logits, take the row kernel.
-
-torch.compile traces the loss as a custom operator (section 3, as in rmsnorm_kernel.py), extras included;
-inplace_backward=True cannot be compiled (a clear error).
+what it uses; other GPUs, and fp32 logits, take the row kernel. torch.compile traces the loss as a custom operator
+(section 3), extras included; inplace_backward=True cannot be compiled (a clear error).
 """
 import contextlib
 import functools
@@ -660,13 +658,11 @@ _GLUON_NAMES = {
 
 def _launch_shape(V, itemsize, on_gpu, block_v=None):
     """(BLOCK_V, num_warps, CHUNKS_PER_STEP, maxnreg) of the row kernel; block_v (tests) overrides the chunk width.
-
     16-bit logits on a GPU: 8192-wide chunks, 32 warps, two chunks per step, at most 32 registers per thread, so two
     programs fit per multiprocessor with two 16-byte loads in flight per thread: the fastest shape measured on an H200
     (see results/NOTES.md). fp32 logits: 16384-wide chunks, one per step, no register cap (the 16-bit shape spills
-    there). CPU interpreter: 256-wide chunks and 4 warps (each chunk costs ~1 ms of Python there, and tests want
-    several chunks per row), CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms.
-    """
+    there). CPU interpreter: 256-wide chunks and 4 warps (a chunk costs ~1 ms of Python there, and tests want several
+    per row), CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms."""
     chunks_per_step = 2 if itemsize <= 2 else 1
     widest = 256 if not on_gpu else 8192 if chunks_per_step == 2 else 16384
     # The register cap belongs to the measured shape, not to a test's chunk width.
@@ -693,10 +689,9 @@ def _missing_gluon_names():
 
 def _smem_kernel_allowed(properties):
     """The dispatch rule: the shared-memory kernel (cross_entropy_smem_kernel.py) runs only on compute capability 9.x
-    (H100, H200), where it was tuned, and only when the installed Gluon has every name it uses. Every other GPU
-    (Ampere, Blackwell, ...) takes the row kernel. `properties`: torch.cuda.get_device_properties of the logits' GPU,
-    or None on the CPU interpreter, which runs the shared-memory kernel too (through its stand-in for Gluon), so that
-    the CPU tests check its schedule."""
+    (H100, H200), where it was tuned, and only when the installed Gluon has every name it uses; other GPUs (Ampere,
+    Blackwell, ...) take the row kernel. `properties`: torch.cuda.get_device_properties of the logits' GPU, or None on
+    the CPU interpreter, which runs the shared-memory kernel too (through its Gluon stand-in) for the CPU tests."""
     if properties is None:
         return True
     return properties.major == 9 and not _missing_gluon_names()
@@ -708,9 +703,8 @@ def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties,
     cross_entropy_smem_kernel._smem_plan). That kernel takes 16-bit logits with a gradient to write, where
     _smem_kernel_allowed, with at least _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned
     (cp.async copies 16 bytes per thread), and no softcap: the softcap's tanh per logit and pass needs more warps in
-    flight than that kernel's one program per multiprocessor has, and the row kernel is faster with it (measured on an
-    H200, see results/NOTES.md). kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises
-    ValueError."""
+    flight than its one program per multiprocessor has (the row kernel is faster, measured on an H200, see
+    results/NOTES.md). kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises ValueError."""
     if kernel not in (None, "rows", "smem"):
         raise ValueError(f"cross_entropy_forward: kernel must be None, 'rows' or 'smem', got {kernel!r}")
     plan = None
@@ -828,19 +822,16 @@ def _row_layout(x):
     return max(x.shape[0], 1), 0, x.stride(0)
 
 
-# Extras, with Liger-Kernel's names and semantics (see `cross_entropy`); each is a constexpr switch of both kernels, so
-# with all of them off the kernels compile to the same code as without them (a None argument becomes a constexpr, not
-# a parameter).
+# Extras, with Liger-Kernel's names and semantics (see `cross_entropy`), each a constexpr switch of both kernels: with
+# all of them off the kernels compile to the same code as without them (a None argument becomes a constexpr).
 # - weight, class weights w (PyTorch's rule): with label smoothing eps a row's loss is (1 - eps) * w[target] *
-#   (lse - x[target]) + eps / V * sum_j w_j * (lse - x_j). The kernels read w[target] once per row, all of w only
-#   with smoothing.
+#   (lse - x[target]) + eps / V * sum_j w_j * (lse - x_j); the kernels read all of w only with smoothing.
 # - lse_square_scale, the z-loss (PaLM): lse_square_scale * lse^2 per non-ignored row; its gradient
 #   2 * lse_square_scale * lse * softmax is folded into pass 2.
-# - softcap (Gemma 2): every logit read becomes softcap * t, t = tanh(logit / softcap), in both passes; the gradient
-#   takes the chain factor 1 - t^2. No extra pass, but a tanh per logit and pass besides the exp2 (see _tanh); the
-#   row kernel keeps its maxima in units of t, so one multiply-add takes t to the exponent (_capped_softmax_update).
-# - return_token_accuracy, return_predicted_tokens: the argmax per row, from the loss's pass over the logits (see
-#   _lane_argmax_update).
+# - softcap (Gemma 2): every logit read becomes softcap * t, t = tanh(logit / softcap), in both passes, and the
+#   gradient takes the chain factor 1 - t^2: no extra pass, but a tanh per logit and pass besides the exp2 (see
+#   _tanh); the row kernel keeps its maxima in units of t (_capped_softmax_update).
+# - return_token_accuracy, return_predicted_tokens: the argmax per row, from pass 1 (see _lane_argmax_update).
 class _Extras(NamedTuple):
     """One launch's extras, None where off: the kernels' extras arguments."""
     weight: Optional[torch.Tensor] = None  # class weights as the kernels read them (_packed_weight)
@@ -1115,15 +1106,13 @@ def _fields(result, device):
 
 
 def _fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens):
-    """What _fields returns, as empty tensors: the loss, z-loss and accuracy are fp32, one value or one per row."""
+    """What _fields returns, as empty tensors: the loss, z-loss and accuracy fp32, one value or one per row; the
+    predicted tokens int64, one per row."""
     shape = targets.shape if reduction == "none" else ()
-    device = targets.device
-
-    def fp32(wanted):
-        return torch.empty(shape, dtype=torch.float32, device=device) if wanted else _empty(device)
-    predicted = (torch.empty(targets.shape, dtype=torch.int64, device=device) if return_predicted_tokens
-                 else _empty(device))
-    return fp32(True), fp32(return_z_loss), fp32(return_token_accuracy), predicted
+    fields = ((True, shape, torch.float32), (return_z_loss, shape, torch.float32),
+              (return_token_accuracy, shape, torch.float32), (return_predicted_tokens, targets.shape, torch.int64))
+    return tuple(torch.empty(field_shape, dtype=dtype, device=targets.device) if wanted else _empty(targets.device)
+                 for wanted, field_shape, dtype in fields)
 
 
 def _from_fields(fields, return_z_loss, return_token_accuracy, return_predicted_tokens):
@@ -1143,11 +1132,10 @@ def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """cross_entropy_forward as an operator: (loss, z_loss, token_accuracy, predicted_tokens, grad_logits),
     placeholders for the fields not asked for and for the gradient without compute_grad."""
-    result, grad = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing,
-                                         compute_grad=compute_grad, check_targets=check_targets, weight=weight,
-                                         lse_square_scale=lse_square_scale, softcap=softcap,
-                                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                                         return_predicted_tokens=return_predicted_tokens)
+    result, grad = cross_entropy_forward(
+        logits, targets, ignore_index, reduction, label_smoothing, compute_grad, False, check_targets, weight=weight,
+        lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     return *_fields(result, logits.device), _empty(logits.device) if grad is None else grad
 
 
@@ -1206,7 +1194,9 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T], int64 or int32. reduction "mean" (over
     non-ignored rows), "sum" or "none" (per-row losses in the targets' shape, 0 for ignored rows, whose gradient is
     exactly zero). As in PyTorch, a mean over no rows (every target ignored, or N = 0) is NaN, with a zero (or empty)
-    gradient; "sum" gives 0 and "none" an empty tensor.
+    gradient; "sum" gives 0 and "none" an empty tensor. Targets outside [0, V) other than ignore_index are never used
+    as addresses; their rows' loss and gradient are NaN. check_targets=True validates them on the host first and
+    raises ValueError (a device sync: a debug mode).
 
     inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
     buffer): the logits must not be used after this call (fine for lm_head's output, which a matmul's backward does
@@ -1214,9 +1204,6 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     contiguous are copied first (the kernels need unit column stride), and the gradient goes into that copy.
     torch.compile traces the call as the operator torch.ops.playbook.cross_entropy, where inplace_backward=True raises
     ValueError (an operator with a backward may not overwrite its input).
-
-    Targets outside [0, V) other than ignore_index are never used as addresses; their rows' loss and gradient are NaN.
-    check_targets=True validates them on the host first and raises ValueError (a device sync: a debug mode).
 
     Extras (Liger-Kernel's names and meaning; how the kernels compute them: "Extras" in section 2):
     - weight: class weights [V], floating point (used in fp32), on the logits' device, as F.cross_entropy's `weight`
@@ -1230,8 +1217,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
       target ("mean", "sum"; NaN when no row counts, as 0 / 0), or 1.0 / 0.0 per row ("none"; 0.0 on ignored rows).
       predicted_tokens: each row's argmax (int64, the targets' shape, -1 on ignored rows, whatever ignore_index), the
       lowest column among equal maxima as torch.argmax, after the softcap (which can make large logits equal);
-      undefined for rows with NaN logits.
-    """
+      undefined for rows with NaN logits."""
     extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -1249,9 +1235,8 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
         result = CrossEntropyFunction.apply(logits, targets, ignore_index, reduction, label_smoothing,
                                             inplace_backward, check_targets, *extras.values())
         return CrossEntropyOutput(*result) if isinstance(result, tuple) else result
-    result, _ = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing, compute_grad=False,
-                                      check_targets=check_targets, **extras)
-    return result
+    return cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing, compute_grad=False,
+                                 check_targets=check_targets, **extras)[0]
 
 
 class _LossModule(torch.nn.Module):
@@ -1315,12 +1300,11 @@ def _main(argv=None):
     import torch.nn.functional as F
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    floor = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
     torch.manual_seed(0)
     N, V = args.rows, args.vocab
     targets = torch.randint(0, V, (N,), device=KERNEL_DEVICE)
     targets[torch.rand(N, device=KERNEL_DEVICE) < 0.2] = -100  # 20 % ignored rows, as masked prompt tokens
-
-    floor = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
     logits = (torch.randn(N, V, device=KERNEL_DEVICE) * 3).to(dtype)
 
     def check(label, loss_fn, reference_fn, extra_ok=True, note=""):
@@ -1331,10 +1315,9 @@ def _main(argv=None):
             x = x.detach().clone().requires_grad_()
             loss = fn(x)
             return loss.detach(), torch.autograd.grad(loss, x)[0]
-        ref, same_dtype = loss_and_grad(reference_fn, logits.double()), loss_and_grad(reference_fn, logits)
-        ours = loss_and_grad(loss_fn, logits)
+        ref, ours = loss_and_grad(reference_fn, logits.double()), loss_and_grad(loss_fn, logits)
         loss_err, grad_err = _max_rel_err(ours[0], ref[0]), _max_rel_err(ours[1], ref[1])
-        torch_err = _max_rel_err(same_dtype[1], ref[1])
+        torch_err = _max_rel_err(loss_and_grad(reference_fn, logits)[1], ref[1])
         ok = loss_err <= 1e-5 and grad_err <= max(3 * torch_err, floor) and extra_ok
         print(f"{label}: max rel err loss {loss_err:.1e}, grad {grad_err:.1e} (PyTorch {args.dtype}: {torch_err:.1e})"
               f"{note} {'PASS' if ok else 'FAIL'}")
@@ -1364,7 +1347,6 @@ def _main(argv=None):
 
 if __name__ == "__main__":
     # cross_entropy_smem_kernel imports its helpers from `cross_entropy_kernel`: it finds this run's module under that
-    # name instead of executing the file a second time (a second copy of every kernel, custom operators registered
-    # again).
+    # name instead of running the file a second time (a second copy of every kernel, operators registered again).
     sys.modules.setdefault("cross_entropy_kernel", sys.modules[__name__])
     sys.exit(_main())
