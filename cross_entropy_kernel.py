@@ -40,9 +40,8 @@ Limits
 ------
 Class-index targets only (no probability targets); fp32 arithmetic and loss, gradient in the logits' dtype;
 targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the stored gradient in
-place, so it runs once. The shared-memory kernel runs only on compute capability 9.x with a Triton whose Gluon has
-what it uses; other GPUs, and fp32 logits, take the row kernel. torch.compile traces the loss as a custom operator
-(section 3), extras included; inplace_backward=True cannot be compiled (a clear error).
+place, so it runs once. The shared-memory kernel needs compute capability 9.x and 16-bit logits. torch.compile traces
+the loss as a custom operator (section 3), extras included; inplace_backward=True cannot be compiled (a clear error).
 """
 import contextlib
 import functools
@@ -464,9 +463,7 @@ def _round_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The extras' helpers: softcap, class weights and z-loss in the gradient, argmax
-# ----------------------------------------------------------------------------------------------------------------------
+# ---- The extras' helpers: softcap, class weights and z-loss in the gradient, argmax ----
 @triton.jit
 def _exp2_on_fma(y):
     """2^y without the multi-function unit, on the FMA pipe: y = j + f with j = round(y), f in [-0.5, 0.5]. Adding
@@ -645,15 +642,13 @@ _SMEM_MIN_ROWS_PER_SM = 8
 # The Gluon names cross_entropy_smem_kernel.py uses, by module. Gluon is experimental and renames things between
 # Triton releases, so the dispatch checks for these rather than for a version. Its barrier is Triton 3.6's
 # thread_barrier or Triton 3.7's barrier, whichever is there (see _missing_gluon_names).
-_GLUON_NAMES = {
-    "triton.experimental.gluon": ("jit",),
-    "triton.experimental.gluon.language": (
-        "BlockedLayout", "SliceLayout", "SwizzledSharedLayout", "allocate_shared_memory", "arange", "full", "load",
-        "log", "log2", "minimum", "num_programs", "program_id", "static_range", "store", "where", "zeros",
-        "zeros_like"),
-    "triton.experimental.gluon.language.nvidia.ampere.async_copy": (
-        "async_copy_global_to_shared", "commit_group", "wait_group"),
-}
+_GLUON_NAMES = {"triton.experimental.gluon": ("jit",),
+                "triton.experimental.gluon.language": (
+                    "BlockedLayout", "SliceLayout", "SwizzledSharedLayout", "allocate_shared_memory", "arange", "full",
+                    "load", "log", "log2", "minimum", "num_programs", "program_id", "static_range", "store", "where",
+                    "zeros", "zeros_like"),
+                "triton.experimental.gluon.language.nvidia.ampere.async_copy": (
+                    "async_copy_global_to_shared", "commit_group", "wait_group")}
 
 
 def _launch_shape(V, itemsize, on_gpu, block_v=None):
@@ -699,12 +694,11 @@ def _smem_kernel_allowed(properties):
 
 def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties, kernel=None, block_v=None,
                     n_streamed=None, n_ring=None, softcap=False):
-    """The launcher's choice: None for the row kernel, or the shared-memory kernel's plan (see
-    cross_entropy_smem_kernel._smem_plan). That kernel takes 16-bit logits with a gradient to write, where
-    _smem_kernel_allowed, with at least _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned
-    (cp.async copies 16 bytes per thread), and no softcap: the softcap's tanh per logit and pass needs more warps in
-    flight than its one program per multiprocessor has (the row kernel is faster, measured on an H200, see
-    results/NOTES.md). kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises ValueError."""
+    """None for the row kernel, or the shared-memory kernel's plan (cross_entropy_smem_kernel._smem_plan) for 16-bit
+    logits with a gradient to write, where _smem_kernel_allowed, with _SMEM_MIN_ROWS_PER_SM rows per multiprocessor,
+    rows 16-byte aligned (cp.async copies 16 bytes per thread) and no softcap (its tanh per logit and pass needs more
+    warps in flight than one program per multiprocessor has: the row kernel is faster, measured on an H200).
+    kernel="rows" / "smem" (tests) forces one, and raises ValueError for "smem" where it cannot run."""
     if kernel not in (None, "rows", "smem"):
         raise ValueError(f"cross_entropy_forward: kernel must be None, 'rows' or 'smem', got {kernel!r}")
     plan = None
@@ -891,23 +885,20 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
                                 block_v, n_streamed, n_ring, extras.softcap is not None)
     if smem_plan is not None:
         block_v, num_warps, n_chunks, n_streamed, n_ring = smem_plan
-        assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
         # One program per multiprocessor on the GPU (it takes the shared memory); the interpreter runs them in turn.
         n_programs = min(n_rows, properties.multi_processor_count if on_gpu else 4)
-        with _on_tensor_device(logits):
-            _smem_kernel_module()._cross_entropy_smem_kernel[(n_programs,)](
-                *args, BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
-                NUM_WARPS=num_warps, num_warps=num_warps, **switches)
-        return
-    block_v, num_warps, chunks_per_step, maxnreg = _launch_shape(V, logits.element_size(), on_gpu, block_v)
+        triton_kernel = _smem_kernel_module()._cross_entropy_smem_kernel
+        options = dict(LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring, NUM_WARPS=num_warps)
+    else:
+        block_v, num_warps, chunks_per_step, maxnreg = _launch_shape(V, logits.element_size(), on_gpu, block_v)
+        # The interpreter runs programs one after another anyway: a few suffice there.
+        n_programs = min(n_rows, _PROGRAMS_PER_SM * properties.multi_processor_count if on_gpu else 4)
+        triton_kernel = _cross_entropy_kernel
+        options = dict(LANE_WIDTH=min(_LANE_WIDTH, block_v), COMPUTE_GRAD=compute_grad,
+                       CHUNKS_PER_STEP=chunks_per_step, **({"maxnreg": maxnreg} if maxnreg else {}))
     assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
-    # The interpreter runs programs one after another anyway: a few suffice there.
-    n_programs = min(n_rows, _PROGRAMS_PER_SM * properties.multi_processor_count if on_gpu else 4)
     with _on_tensor_device(logits):
-        _cross_entropy_kernel[(n_programs,)](
-            *args, BLOCK_V=block_v, LANE_WIDTH=min(_LANE_WIDTH, block_v), COMPUTE_GRAD=compute_grad,
-            CHUNKS_PER_STEP=chunks_per_step, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
-            **switches)
+        triton_kernel[(n_programs,)](*args, BLOCK_V=block_v, num_warps=num_warps, **options, **switches)
 
 
 def _reduction_scale(targets, ignore_index, reduction, weight=None):
@@ -1089,11 +1080,10 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 # torch.compile cannot look inside a launcher, so the fused losses become custom operators, opaque nodes of the graph
-# (see rmsnorm_kernel.py, where this is introduced): register_fake gives their outputs' shapes without running them,
-# register_autograd their backward. The design stays the same: the forward operator returns the gradient, already
-# scaled for the reduction, as one more (non-differentiable) output, and the backward multiplies it by grad_output on
-# the device, with no host sync. An operator returns a fixed list of tensors, so the CrossEntropyOutput fields that were
-# not asked for come back as empty tensors, and the Python wrapper turns them into None again.
+# (introduced in rmsnorm_kernel.py): register_fake gives their outputs' shapes without running them, register_autograd
+# their backward. The forward operator returns the gradient, already scaled for the reduction, as one more
+# (non-differentiable) output; the backward multiplies it by grad_output on the device. An operator returns a fixed
+# list of tensors, so the CrossEntropyOutput fields not asked for come back as empty tensors, None again in Python.
 def _empty(device):
     """The placeholder for an operator output that was not asked for."""
     return torch.empty(0, dtype=torch.float32, device=device)
@@ -1201,9 +1191,8 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
     buffer): the logits must not be used after this call (fine for lm_head's output, which a matmul's backward does
     not need; if another op saved them for its backward, autograd raises). Logits whose last dimension is not
-    contiguous are copied first (the kernels need unit column stride), and the gradient goes into that copy.
-    torch.compile traces the call as the operator torch.ops.playbook.cross_entropy, where inplace_backward=True raises
-    ValueError (an operator with a backward may not overwrite its input).
+    contiguous are copied first (the kernels need unit column stride), and the gradient goes into that copy. Under
+    torch.compile, which traces the operator torch.ops.playbook.cross_entropy, inplace_backward=True raises ValueError.
 
     Extras (Liger-Kernel's names and meaning; how the kernels compute them: "Extras" in section 2):
     - weight: class weights [V], floating point (used in fp32), on the logits' device, as F.cross_entropy's `weight`
