@@ -636,6 +636,7 @@ _NUMBER_RANGES = {"label_smoothing": (0.0, 1.0, ""), "lse_square_scale": (0.0, _
                               " (finite in float32, its square too; None: no softcap)")}
 _LANE_WIDTH = 8  # columns per lane: 8 x 2 bytes = one 16-byte load per thread for bf16
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
+_MAX_BLOCK_V = 16384  # the widest chunk of either kernel (fp32 logits on a GPU)
 # Below this many rows per multiprocessor the shared-memory kernel's first row per program waits for all its loads and
 # the row kernel is faster (e.g. 768 rows, a linear cross-entropy chunk; measured on an H200, see results/NOTES.md).
 _SMEM_MIN_ROWS_PER_SM = 8
@@ -654,10 +655,9 @@ _GLUON_NAMES = {"triton.experimental.gluon": ("jit",),
 def _launch_shape(V, itemsize, on_gpu, block_v=None):
     """(BLOCK_V, num_warps, CHUNKS_PER_STEP, maxnreg) of the row kernel; block_v (tests) overrides the chunk width.
     16-bit logits on a GPU: 8192-wide chunks, 32 warps, two chunks per step, at most 32 registers per thread, so two
-    programs fit per multiprocessor with two 16-byte loads in flight per thread: the fastest shape measured on an H200
-    (see results/NOTES.md). fp32 logits: 16384-wide chunks, one per step, no register cap (the 16-bit shape spills
-    there). CPU interpreter: 256-wide chunks and 4 warps (a chunk costs ~1 ms of Python there, and tests want several
-    per row), CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms."""
+    programs fit per multiprocessor with two 16-byte loads in flight per thread (the fastest shape measured on an H200).
+    fp32 logits: 16384-wide chunks, one per step, no register cap (the 16-bit shape spills there). CPU interpreter:
+    256-wide chunks and 4 warps (a chunk costs ~1 ms of Python; tests want several per row), and both loop forms."""
     chunks_per_step = 2 if itemsize <= 2 else 1
     widest = 256 if not on_gpu else 8192 if chunks_per_step == 2 else 16384
     # The register cap belongs to the measured shape, not to a test's chunk width.
@@ -714,16 +714,14 @@ def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties,
 
 
 def _smem_kernel_module():
-    """cross_entropy_smem_kernel, imported on first use: only where the shared-memory kernel may run, so that the row
-    kernel's path needs neither that module nor Gluon."""
+    """cross_entropy_smem_kernel, imported on first use: the row kernel's path needs neither that module nor Gluon."""
     import cross_entropy_smem_kernel
     return cross_entropy_smem_kernel
 
 
 def _on_tensor_device(t):
     """Triton launches on the CURRENT CUDA device and its stream: switch to t's GPU when it is another one (a model
-    spread over GPUs with device_map), and only then, because entering torch.cuda.device() on every call costs host
-    time in a host-bound step."""
+    spread over GPUs with device_map), and only then: entering torch.cuda.device() on every call costs host time."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
@@ -779,9 +777,8 @@ def _check_target_range(who, targets, V, ignore_index):
 def _validate_rows(who, rows, targets, reduction, label_smoothing, V=None, name="logits", shapes="[N, V] or [B, T, V]"):
     """The checks both losses make: `rows` (the logits, or the linear cross-entropy's hidden states) 2-D or 3-D,
     floating point, where the kernels run; targets of its shape without the last dim, on its device, int64 (PyTorch's
-    class-index dtype) or int32: narrower integers cannot hold ignore_index = -100 next to a 128256-word vocabulary,
-    and uint8 would turn -100 into 156, a real class, in the host's comparisons. V: the vocabulary (by default the
-    last dim of the logits), which must not be empty when there are targets."""
+    class-index dtype) or int32: narrower integers cannot hold ignore_index = -100 next to a 128256-word vocabulary, and
+    uint8 would turn -100 into 156, a real class. V (default: the last dim) must not be 0 when there are targets."""
     if not isinstance(rows, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise TypeError(f"{who}: {name} and targets must be torch.Tensor")
     if rows.dim() not in (2, 3):
@@ -818,10 +815,8 @@ def _row_layout(x):
 
 # Extras, with Liger-Kernel's names and semantics (see `cross_entropy`), each a constexpr switch of both kernels: with
 # all of them off the kernels compile to the same code as without them (a None argument becomes a constexpr).
-# - weight, class weights w (PyTorch's rule): with label smoothing eps a row's loss is (1 - eps) * w[target] *
-#   (lse - x[target]) + eps / V * sum_j w_j * (lse - x_j); the kernels read all of w only with smoothing.
-# - lse_square_scale, the z-loss (PaLM): lse_square_scale * lse^2 per non-ignored row; its gradient
-#   2 * lse_square_scale * lse * softmax is folded into pass 2.
+# - weight, class weights (PyTorch's rule, see _row_loss): all of them are read only with label smoothing.
+# - lse_square_scale, the z-loss (PaLM): its gradient 2 * lse_square_scale * lse * softmax is folded into pass 2.
 # - softcap (Gemma 2): every logit read becomes softcap * t, t = tanh(logit / softcap), in both passes, and the
 #   gradient takes the chain factor 1 - t^2: no extra pass, but a tanh per logit and pass besides the exp2 (see
 #   _tanh); the row kernel keeps its maxima in units of t (_capped_softmax_update).
@@ -834,9 +829,6 @@ class _Extras(NamedTuple):
     z_scale: Optional[torch.Tensor] = None  # fp32 gradient scale of the z-loss, with the launch's scale_stride
     softcap: Optional[float] = None
     predicted: Optional[torch.Tensor] = None  # [rows] int64, written: argmax per row, -1 on ignored rows
-
-
-_MAX_BLOCK_V = 16384  # the widest chunk of either kernel (fp32 logits on a GPU)
 
 
 def _packed_weight(weight):
@@ -901,23 +893,6 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
         triton_kernel[(n_programs,)](*args, BLOCK_V=block_v, num_warps=num_warps, **options, **switches)
 
 
-def _reduction_scale(targets, ignore_index, reduction, weight=None):
-    """(gradient scale as a 0-dim fp32 device tensor, denominator of the mean or None). "mean": 1 / denominator, the
-    number of non-ignored targets or, with class weights, the sum of their weights (PyTorch's rule; a target outside
-    [0, V) adds nothing, its row is NaN anyway); inf when it is 0 (every row ignored, and ignored rows are not
-    scaled: they get zeros). "sum"/"none": 1."""
-    if reduction != "mean":
-        return torch.ones((), dtype=torch.float32, device=targets.device), None
-    valid = targets != ignore_index
-    if weight is None:
-        denominator = valid.sum()
-    else:
-        counted = valid & (targets >= 0) & (targets < weight.shape[0])
-        target_weights = weight.to(torch.float32)[torch.where(counted, targets, 0)]
-        denominator = torch.where(counted, target_weights, 0.0).sum()
-    return 1.0 / denominator.to(torch.float32), denominator
-
-
 def _reduce(losses, reduction, denominator, targets_shape):
     if reduction == "mean":
         # A mean over nothing is NaN, as in PyTorch: no row counts (all ignored, or none), or every counted target's
@@ -939,11 +914,22 @@ class _LossTerms:
         n_rows = self.targets_flat.numel()
         self.losses = torch.empty(n_rows, dtype=torch.float32, device=device)
         self.returns = (return_z_loss, return_token_accuracy, return_predicted_tokens)
-        self.scale, self.denominator = _reduction_scale(self.targets_flat, ignore_index, reduction, weight)
-        # The z-loss's mean and the token accuracy count the non-ignored rows, whatever the class weights.
-        self.n_valid = self.denominator if weight is None else None
-        if self.n_valid is None and (reduction == "mean" or return_token_accuracy):
-            self.n_valid = (self.targets_flat != ignore_index).sum()
+        # The gradient's scale: 1 for "sum" and "none"; for "mean" 1 / denominator, the number of non-ignored targets
+        # or, with class weights, the sum of their weights (PyTorch's rule; a target outside [0, V) adds nothing, its
+        # row is NaN anyway), inf when that is 0 (ignored rows get zeros, unscaled). The z-loss's mean and the token
+        # accuracy count the non-ignored rows (n_valid) whatever the class weights.
+        self.scale = torch.ones((), dtype=torch.float32, device=targets.device)
+        self.denominator = self.n_valid = None
+        if reduction == "mean" or return_token_accuracy:
+            valid = self.targets_flat != ignore_index
+            self.n_valid = valid.sum()
+        if reduction == "mean":
+            self.denominator = self.n_valid
+            if weight is not None:
+                counted = valid & (self.targets_flat >= 0) & (self.targets_flat < weight.shape[0])
+                target_weights = weight.to(torch.float32)[torch.where(counted, self.targets_flat, 0)]
+                self.denominator = torch.where(counted, target_weights, 0.0).sum()
+            self.scale = 1.0 / self.denominator.to(torch.float32)
         z_scale = 1.0 / self.n_valid.to(torch.float32) if weight is not None and reduction == "mean" else self.scale
         z_loss_on = lse_square_scale != 0  # return_z_loss alone returns zeros, as Liger does, without kernel work
         self.extras = _Extras(
@@ -980,12 +966,10 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean", 
                           compute_grad=True, inplace_backward=False, check_targets=False, *, weight=None,
                           lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
                           return_predicted_tokens=False, kernel=None, block_v=None, n_streamed=None, n_ring=None):
-    """The launcher, without autograd: returns (loss, grad_logits or None), or (CrossEntropyOutput, grad_logits or
-    None) when a return_* flag is set. The gradient is already scaled for the reduction (1/n_valid for "mean") as if
-    grad_output were 1; with inplace_backward=True it is written into the logits' own storage. weight ..
-    return_predicted_tokens are the extras of `cross_entropy`. The last keyword-only arguments are for tests: kernel=
-    "rows" / "smem" forces a kernel, block_v its chunk width, n_streamed and n_ring the shared-memory kernel's
-    schedule (see cross_entropy_smem_kernel._smem_plan); by default the launcher picks (see _pick_smem_plan)."""
+    """The launcher, without autograd: (loss, grad_logits or None), the loss a CrossEntropyOutput when a return_* flag
+    is set. The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1; with
+    inplace_backward=True it is written into the logits' own storage. weight .. return_predicted_tokens: the extras of
+    `cross_entropy`; kernel .. n_ring force a kernel and its shape (tests, see _pick_smem_plan)."""
     extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     _validate_cross_entropy(logits, targets, reduction, label_smoothing, extras)
@@ -1200,13 +1184,12 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     - lse_square_scale >= 0: adds the z-loss lse_square_scale * logsumexp(logits)^2 of each non-ignored row,
       unweighted ("mean" divides it by the number of non-ignored rows).
     - softcap > 0 or None: the loss sees softcap * tanh(logits / softcap) instead of the logits.
-    - return_z_loss, return_token_accuracy, return_predicted_tokens: the result is then a CrossEntropyOutput(loss,
-      z_loss, token_accuracy, predicted_tokens), fields not asked for None, only `loss` differentiable. z_loss is
-      reduced as the loss, which includes it. token_accuracy: the fraction of non-ignored rows whose argmax is the
-      target ("mean", "sum"; NaN when no row counts, as 0 / 0), or 1.0 / 0.0 per row ("none"; 0.0 on ignored rows).
-      predicted_tokens: each row's argmax (int64, the targets' shape, -1 on ignored rows, whatever ignore_index), the
-      lowest column among equal maxima as torch.argmax, after the softcap (which can make large logits equal);
-      undefined for rows with NaN logits."""
+    - return_z_loss, return_token_accuracy, return_predicted_tokens: the result is then a CrossEntropyOutput (see
+      there). z_loss is reduced as the loss, which includes it. token_accuracy: the fraction of non-ignored rows whose
+      argmax is the target ("mean", "sum"; NaN when no row counts, as 0 / 0), or 1.0 / 0.0 per row ("none"; 0.0 on
+      ignored rows). predicted_tokens: each row's argmax (int64, the targets' shape, -1 on ignored rows, whatever
+      ignore_index), the lowest column among equal maxima as torch.argmax, after the softcap (which can make large
+      logits equal); undefined for rows with NaN logits."""
     extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -1277,10 +1260,9 @@ def _main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    big = not INTERPRETER
-    parser.add_argument("--rows", type=int, default=4096 if big else 64,
+    parser.add_argument("--rows", type=int, default=64 if INTERPRETER else 4096,
                         help="tokens (default: 4096 on a GPU, 64 on the CPU interpreter)")
-    parser.add_argument("--vocab", type=int, default=128256 if big else 1000,
+    parser.add_argument("--vocab", type=int, default=1000 if INTERPRETER else 128256,
                         help="vocabulary size V (default: 128256 on a GPU, 1000 on the CPU interpreter)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="logits dtype")
     args = parser.parse_args(argv)
@@ -1297,9 +1279,8 @@ def _main(argv=None):
     logits = (torch.randn(N, V, device=KERNEL_DEVICE) * 3).to(dtype)
 
     def check(label, loss_fn, reference_fn, extra_ok=True, note=""):
-        """Print one line and return whether loss_fn passes the tests' rule against reference_fn in float64: the
-        loss within 1e-5, the gradient no worse than reference_fn's in the logits' dtype times 3, or under about 1 ulp
-        (floor)."""
+        """Print one line; True if loss_fn passes the tests' rule against reference_fn in float64: the loss within 1e-5,
+        the gradient no worse than reference_fn's in the logits' dtype times 3, or under about 1 ulp (floor)."""
         def loss_and_grad(fn, x):
             x = x.detach().clone().requires_grad_()
             loss = fn(x)
