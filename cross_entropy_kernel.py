@@ -28,8 +28,7 @@ Gluon. linear_cross_entropy_kernel.py runs this launcher on chunks of hidden @ W
 Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 -------------------------------------------------------------------
 - a loop over chunks inside one program (a row of 128256 values is much longer than one block); online softmax
-- lanes: a chunk seen as a [BLOCK_V // 8, 8] tile whose rows each thread holds whole, so reducing axis 1 stays
-  inside one thread (no shuffles, no barriers)
+- lanes: a chunk as a [BLOCK_V // 8, 8] tile whose rows each thread holds whole: reducing axis 1 needs no shuffle
 - eviction policies on loads and stores (evict_last / evict_first: which lines L2 should keep)
 - inline PTX with tl.inline_asm_elementwise (one-instruction exp2 and reciprocal), and tl.debug_barrier
 - balancing the GPU's pipes: an exp2 by bit manipulation and a polynomial on the FMA pipe (bitcasts with
@@ -628,8 +627,7 @@ def _scale_rows_kernel(
 # 2. Launchers
 # ----------------------------------------------------------------------------------------------------------------------
 _REDUCTIONS = ("mean", "sum", "none")
-# Each scalar option's (low, high, what the range means). The kernels take the extras' scalars as fp32, and the
-# softcap's slope divides by softcap^2: each must survive that.
+# (low, high, meaning) of each scalar option: the kernels take them as fp32; the softcap slope divides by softcap^2.
 _FP32 = torch.finfo(torch.float32)
 _NUMBER_RANGES = {"label_smoothing": (0.0, 1.0, ""), "lse_square_scale": (0.0, _FP32.max, " (finite in float32)"),
                   "softcap": (math.sqrt(_FP32.tiny), math.sqrt(_FP32.max),
@@ -640,9 +638,8 @@ _MAX_BLOCK_V = 16384  # the widest chunk of either kernel (fp32 logits on a GPU)
 # Below this many rows per multiprocessor the shared-memory kernel's first row per program waits for all its loads and
 # the row kernel is faster (e.g. 768 rows, a linear cross-entropy chunk; measured on an H200, see results/NOTES.md).
 _SMEM_MIN_ROWS_PER_SM = 8
-# The Gluon names cross_entropy_smem_kernel.py uses, by module. Gluon is experimental and renames things between
-# Triton releases, so the dispatch checks for these rather than for a version. Its barrier is Triton 3.6's
-# thread_barrier or Triton 3.7's barrier, whichever is there (see _missing_gluon_names).
+# The Gluon names cross_entropy_smem_kernel.py uses, by module: Gluon is experimental and renames things between Triton
+# releases, so the dispatch checks names, not a version (the barrier's two names: see _missing_gluon_names).
 _GLUON_NAMES = {"triton.experimental.gluon": ("jit",),
                 "triton.experimental.gluon.language": (
                     "BlockedLayout", "SliceLayout", "SwizzledSharedLayout", "allocate_shared_memory", "arange", "full",
@@ -667,8 +664,8 @@ def _launch_shape(V, itemsize, on_gpu, block_v=None):
 
 @functools.cache
 def _missing_gluon_names():
-    """The Gluon names of _GLUON_NAMES (and a barrier) that the installed Triton lacks, as "module.name"; empty when
-    the shared-memory kernel can be compiled. Checked once: the dispatch asks on every launch."""
+    """The names of _GLUON_NAMES and a barrier (Triton 3.6's thread_barrier, 3.7's barrier) that the installed Triton
+    lacks, as "module.name"; empty when the shared-memory kernel can be compiled. Cached: asked per launch."""
     missing = []
     for module_name, names in _GLUON_NAMES.items():
         try:
@@ -817,9 +814,8 @@ def _row_layout(x):
 # all of them off the kernels compile to the same code as without them (a None argument becomes a constexpr).
 # - weight, class weights (PyTorch's rule, see _row_loss): all of them are read only with label smoothing.
 # - lse_square_scale, the z-loss (PaLM): its gradient 2 * lse_square_scale * lse * softmax is folded into pass 2.
-# - softcap (Gemma 2): every logit read becomes softcap * t, t = tanh(logit / softcap), in both passes, and the
-#   gradient takes the chain factor 1 - t^2: no extra pass, but a tanh per logit and pass besides the exp2 (see
-#   _tanh); the row kernel keeps its maxima in units of t (_capped_softmax_update).
+# - softcap (Gemma 2): each logit read becomes softcap * tanh(logit / softcap), in both passes: no extra pass, but a
+#   tanh per logit and pass (see _tanh, _capped_softmax_update, and _softmax_gradient for the chain rule).
 # - return_token_accuracy, return_predicted_tokens: the argmax per row, from pass 1 (see _lane_argmax_update).
 class _Extras(NamedTuple):
     """One launch's extras, None where off: the kernels' extras arguments."""
@@ -844,10 +840,9 @@ def _packed_weight(weight):
 def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_stride, ignore_index, label_smoothing,
                           positive_scale=True, kernel=None, block_v=None, n_streamed=None, n_ring=None,
                           extras=_Extras()):
-    """Launch a kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
-    losses [N] fp32, grad (same shape as logits, or None for loss only), scale an fp32 device tensor, extras an
-    _Extras. positive_scale=False when the scale can be <= 0 (a user's grad_output). kernel, block_v, n_streamed,
-    n_ring are for tests: see _pick_smem_plan and cross_entropy_smem_kernel._smem_plan."""
+    """Launch a kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N], losses [N]
+    fp32, grad (logits' shape; None: loss only), scale an fp32 device tensor, extras an _Extras. positive_scale=False
+    when the scale can be <= 0 (a user's grad_output); kernel .. n_ring (tests): see _pick_smem_plan."""
     V = logits.shape[-1]
     n_rows = targets_flat.numel()
     if n_rows == 0:
@@ -904,8 +899,7 @@ def _reduce(losses, reduction, denominator, targets_shape):
 
 
 class _LossTerms:
-    """One call's per-row results and their reduction: the fp32 losses, the extras' buffers (None where off), the
-    reduction's gradient scales, and the result (the loss, or a CrossEntropyOutput when a return_* flag is set)."""
+    """One call's per-row buffers (the fp32 losses, the extras'), its gradient scales and its result, reduced."""
 
     def __init__(self, targets, ignore_index, reduction, device, weight=None, lse_square_scale=0.0, softcap=None,
                  return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
@@ -1039,9 +1033,8 @@ class CrossEntropyFunction(torch.autograd.Function):
                 weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
                 return_predicted_tokens=False):
         if inplace_backward:
-            # The kernel is about to overwrite the logits with their gradient. Bump their version counter so that if
-            # some other op saved these logits for its backward, autograd raises its usual "modified by an inplace
-            # operation" error instead of silently using the gradient as logits.
+            # The kernel is about to overwrite the logits with their gradient. Bumping their version counter makes
+            # autograd raise "modified by an inplace operation" if another op saved them for its backward.
             torch.autograd.graph.increment_version(logits)
         result, grad = cross_entropy_forward(
             logits, targets, ignore_index, reduction, label_smoothing, True, inplace_backward, check_targets,
@@ -1150,9 +1143,8 @@ def _cross_entropy_op_backward(ctx, grad_output, *extras_grads):
 _cross_entropy_op.register_autograd(_cross_entropy_op_backward, setup_context=_cross_entropy_setup_context)
 
 
-# A `raise` inside code that torch.compile traces makes it quietly run that code eagerly instead (where the in-place
-# path works), so the refusal lives in a function it does not trace: it raises the error, and under fullgraph=True the
-# compile fails with its reason.
+# A `raise` inside code that torch.compile traces makes it quietly run that code eagerly (where the in-place path
+# works), so the refusal lives in a function it does not trace: under fullgraph=True the compile fails with its reason.
 @torch.compiler.disable(reason="cross_entropy: inplace_backward=True cannot be compiled; pass inplace_backward=False")
 def _refuse_compiled_inplace_backward():
     raise ValueError("cross_entropy: inplace_backward=True cannot be compiled: an operator with a registered backward "
