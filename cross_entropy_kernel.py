@@ -2,8 +2,7 @@
 
 What it computes
 ----------------
-For a row of logits x[0..V) and its target class t (PyTorch's `F.cross_entropy`, class-index targets, label
-smoothing eps, 0 by default):
+For a row of logits x[0..V), its target class t and label smoothing eps (PyTorch's `F.cross_entropy`):
 
     lse  = log(sum_j exp(x_j))                                # log-sum-exp, the softmax normalizer
     loss = lse - (1 - eps) * x_t - (eps / V) * sum_j x_j
@@ -18,12 +17,12 @@ softcapping and the argmax per row (token accuracy, predicted tokens); see "Extr
 Bytes it must move, and why fusion wins
 ---------------------------------------
 At least one read of every logit and one write of every gradient entry: 2 * N * V * itemsize bytes (16384 LLaMA-3
-tokens, V = 128256, bf16: 4.2 GB each way). PyTorch's path writes an fp32 log-softmax of all the logits and reads the
-rows several times, and keeps that fp32 copy for the backward (+24 GB at that size). Here the gradient is made in the
-forward pass, so the backward only multiplies it by grad_output (nothing to do when that is 1); each row is read twice
-(pass 1: statistics, pass 2: gradient), the second time mostly from L2. On an H100/H200 the launcher runs, where it
-pays, a variant that keeps the row in shared memory between the passes: cross_entropy_smem_kernel.py, written in
-Gluon. linear_cross_entropy_kernel.py runs this launcher on chunks of hidden @ W.T, never holding all the logits.
+tokens, V = 128256, bf16: 4.2 GB each way). PyTorch's path writes an fp32 log-softmax of all the logits, reads the rows
+several times, and keeps that fp32 copy for the backward (+24 GB at that size). Here the gradient is made in the forward
+pass, so the backward only multiplies it by grad_output (nothing to do when that is 1); each row is read twice (pass 1:
+statistics, pass 2: gradient), the second time mostly from L2. On an H100/H200 the launcher runs, where it pays, a Gluon
+variant that keeps the row in shared memory between the passes (cross_entropy_smem_kernel.py).
+linear_cross_entropy_kernel.py runs this launcher on chunks of hidden @ W.T, never holding all the logits.
 
 Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 -------------------------------------------------------------------
@@ -31,16 +30,15 @@ Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 - lanes: a chunk as a [BLOCK_V // 8, 8] tile whose rows each thread holds whole: reducing axis 1 needs no shuffle
 - eviction policies on loads and stores (evict_last / evict_first: which lines L2 should keep)
 - inline PTX with tl.inline_asm_elementwise (one-instruction exp2 and reciprocal), and tl.debug_barrier
-- balancing the GPU's pipes: an exp2 by bit manipulation and a polynomial on the FMA pipe (bitcasts with
-  .to(..., bitcast=True)) where the multi-function unit is the bottleneck (the softcap)
+- bitcasts, .to(..., bitcast=True): an exp2 on the FMA pipe where the multi-function unit is the bottleneck (softcap)
 - optional features as constexpr switches with None arguments (the extras): code that is off is not compiled
 
 Limits
 ------
-Class-index targets only (no probability targets); fp32 arithmetic and loss, gradient in the logits' dtype;
-targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the stored gradient in
-place, so it runs once. The shared-memory kernel needs compute capability 9.x and 16-bit logits. torch.compile traces
-the loss as a custom operator (section 3), extras included; inplace_backward=True cannot be compiled (a clear error).
+Class-index targets only; fp32 arithmetic and loss, gradient in the logits' dtype; targets outside [0, V) give NaN rows
+(check_targets=True raises instead); the backward scales the stored gradient in place, so it runs once. The
+shared-memory kernel needs compute capability 9.x and 16-bit logits. torch.compile traces the loss as the operator
+torch.ops.playbook.cross_entropy (section 3), extras included; inplace_backward=True cannot be compiled (a clear error).
 """
 import contextlib
 import functools
@@ -554,10 +552,9 @@ def _gradient_scales(scale, label_smoothing, V, weight_target, weight_total, lse
     return softmax_scale, target_scale
 
 
-# The argmax per row, in the pass over the logits that computes the loss: each lane keeps, besides its running max,
-# the lowest chunk index where that max occurs (a compare and a select per lane and chunk, nothing per logit). After
-# the pass, the lowest (chunk, lane) whose max is the row's max holds the row's first maximal column, and re-reading
-# its LANE_WIDTH logits tells which one: torch.argmax's rule, the lowest column among equal maxima.
+# The argmax per row, in pass 1: each lane keeps, besides its running max, the lowest chunk index where that max occurs
+# (a compare and a select per lane and chunk, nothing per logit). The lowest (chunk, lane) whose max is the row's then
+# holds the row's first maximal column, found by re-reading its LANE_WIDTH logits (torch.argmax's rule).
 @triton.jit
 def _lane_argmax_update(x, chunk, lane_max, lane_chunk, IN_ORDER: tl.constexpr):
     """lane_chunk after chunk `chunk` of tile x, given the lanes' max before it; the compiler computes tl.max(x) once
@@ -680,13 +677,10 @@ def _missing_gluon_names():
 
 
 def _smem_kernel_allowed(properties):
-    """The dispatch rule: the shared-memory kernel (cross_entropy_smem_kernel.py) runs only on compute capability 9.x
-    (H100, H200), where it was tuned, and only when the installed Gluon has every name it uses; other GPUs (Ampere,
-    Blackwell, ...) take the row kernel. `properties`: torch.cuda.get_device_properties of the logits' GPU, or None on
-    the CPU interpreter, which runs the shared-memory kernel too (through its Gluon stand-in) for the CPU tests."""
-    if properties is None:
-        return True
-    return properties.major == 9 and not _missing_gluon_names()
+    """The dispatch rule: the shared-memory kernel runs only on compute capability 9.x (H100, H200), where it was tuned,
+    when the installed Gluon has every name it uses, and on the CPU interpreter (properties None:
+    torch.cuda.get_device_properties of the logits' GPU otherwise) through its Gluon stand-in, for the tests."""
+    return properties is None or (properties.major == 9 and not _missing_gluon_names())
 
 
 def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties, kernel=None, block_v=None,
@@ -865,8 +859,7 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
                     HAS_WEIGHT=extras.weight is not None, HAS_Z_LOSS=extras.z_losses is not None,
                     HAS_SOFTCAP=extras.softcap is not None, TRACK_ARGMAX=extras.predicted is not None,
                     FAST_TANH=on_gpu and logits.element_size() == 2)
-    # Triton compiles cp.async's 16-byte form when the base address and the row strides are multiples of 16 bytes
-    # (e.g. V = 50257 does not qualify); the interpreter has no such constraint.
+    # cp.async's 16-byte form needs the base address and the row strides in multiples of 16 bytes (not V = 50257).
     rows_aligned = not on_gpu or (logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
     smem_plan = _pick_smem_plan(V, logits.element_size(), n_rows, compute_grad, rows_aligned, properties, kernel,
                                 block_v, n_streamed, n_ring, extras.softcap is not None)
@@ -924,16 +917,14 @@ class _LossTerms:
                 target_weights = weight.to(torch.float32)[torch.where(counted, self.targets_flat, 0)]
                 self.denominator = torch.where(counted, target_weights, 0.0).sum()
             self.scale = 1.0 / self.denominator.to(torch.float32)
-        z_scale = 1.0 / self.n_valid.to(torch.float32) if weight is not None and reduction == "mean" else self.scale
-        z_loss_on = lse_square_scale != 0  # return_z_loss alone returns zeros, as Liger does, without kernel work
-        self.extras = _Extras(
-            weight=None if weight is None else _packed_weight(weight),
-            lse_square_scale=float(lse_square_scale) if z_loss_on else None,
-            z_losses=torch.empty(n_rows, dtype=torch.float32, device=device) if z_loss_on else None,
-            z_scale=z_scale if z_loss_on else None,
-            softcap=None if softcap is None else float(softcap),
-            predicted=(torch.empty(n_rows, dtype=torch.int64, device=device)
-                       if return_token_accuracy or return_predicted_tokens else None))
+        self.extras = _Extras(weight=None if weight is None else _packed_weight(weight),
+                              softcap=None if softcap is None else float(softcap))
+        if lse_square_scale != 0:  # return_z_loss alone returns zeros, as Liger does, without kernel work
+            z_scale = 1.0 / self.n_valid.to(torch.float32) if weight is not None and reduction == "mean" else self.scale
+            self.extras = self.extras._replace(lse_square_scale=float(lse_square_scale), z_scale=z_scale,
+                                               z_losses=torch.empty(n_rows, dtype=torch.float32, device=device))
+        if return_token_accuracy or return_predicted_tokens:
+            self.extras = self.extras._replace(predicted=torch.empty(n_rows, dtype=torch.int64, device=device))
 
     def result(self):
         """The loss (cross-entropy plus z-loss), reduced; with a return_* flag, a CrossEntropyOutput."""
@@ -1009,8 +1000,7 @@ def cross_entropy_backward(grad_logits, grad_output):
 # 3. Autograd Function, custom operators (torch.compile), functional API, module
 # ----------------------------------------------------------------------------------------------------------------------
 class CrossEntropyOutput(NamedTuple):
-    """What `cross_entropy` and `linear_cross_entropy` return when a return_* flag is set (Liger-Kernel's fields);
-    a field that was not asked for is None. Only `loss` has a gradient."""
+    """Returned with a return_* flag (Liger-Kernel's fields): None where not asked for; only `loss` has a gradient."""
     loss: torch.Tensor
     z_loss: Optional[torch.Tensor] = None
     token_accuracy: Optional[torch.Tensor] = None
@@ -1073,8 +1063,7 @@ def _fields(result, device):
 
 
 def _fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens):
-    """What _fields returns, as empty tensors: the loss, z-loss and accuracy fp32, one value or one per row; the
-    predicted tokens int64, one per row."""
+    """What _fields returns, as empty tensors: fp32, one value or one per row; the predicted tokens int64, per row."""
     shape = targets.shape if reduction == "none" else ()
     fields = ((True, shape, torch.float32), (return_z_loss, shape, torch.float32),
               (return_token_accuracy, shape, torch.float32), (return_predicted_tokens, targets.shape, torch.int64))
@@ -1097,8 +1086,7 @@ def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
                       lse_square_scale: float, softcap: Optional[float], return_z_loss: bool,
                       return_token_accuracy: bool, return_predicted_tokens: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cross_entropy_forward as an operator: (loss, z_loss, token_accuracy, predicted_tokens, grad_logits),
-    placeholders for the fields not asked for and for the gradient without compute_grad."""
+    """cross_entropy_forward as an operator: _fields(result), then grad_logits (a placeholder without compute_grad)."""
     result, grad = cross_entropy_forward(
         logits, targets, ignore_index, reduction, label_smoothing, compute_grad, False, check_targets, weight=weight,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
@@ -1160,15 +1148,13 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T], int64 or int32. reduction "mean" (over
     non-ignored rows), "sum" or "none" (per-row losses in the targets' shape, 0 for ignored rows, whose gradient is
     exactly zero). As in PyTorch, a mean over no rows (every target ignored, or N = 0) is NaN, with a zero (or empty)
-    gradient; "sum" gives 0 and "none" an empty tensor. Targets outside [0, V) other than ignore_index are never used
-    as addresses; their rows' loss and gradient are NaN. check_targets=True validates them on the host first and
-    raises ValueError (a device sync: a debug mode).
+    gradient; "sum" gives 0 and "none" an empty tensor. Targets outside [0, V) other than ignore_index are never used as
+    addresses: their rows are NaN, or check_targets=True raises ValueError (a host sync: a debug mode).
 
     inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
-    buffer): the logits must not be used after this call (fine for lm_head's output, which a matmul's backward does
-    not need; if another op saved them for its backward, autograd raises). Logits whose last dimension is not
-    contiguous are copied first (the kernels need unit column stride), and the gradient goes into that copy. Under
-    torch.compile, which traces the operator torch.ops.playbook.cross_entropy, inplace_backward=True raises ValueError.
+    buffer): the logits must not be used after this call (fine for lm_head's output, which a matmul's backward does not
+    need; if another op saved them for its backward, autograd raises). Logits whose last dimension is not contiguous are
+    copied first, the gradient going into the copy. Under torch.compile it raises ValueError.
 
     Extras (Liger-Kernel's names and meaning; how the kernels compute them: "Extras" in section 2):
     - weight: class weights [V], floating point (used in fp32), on the logits' device, as F.cross_entropy's `weight`
@@ -1287,8 +1273,7 @@ def _main(argv=None):
 
     ok = check(f"cross_entropy        {args.dtype} [{N}, {V}]", lambda x: cross_entropy(x, targets),
                lambda x: F.cross_entropy(x, targets))
-    # The extras together: class weights, z-loss, softcap (with label smoothing), and the token accuracy, with every
-    # other row's target its argmax.
+    # The extras together, and the token accuracy, with every other row's target its argmax.
     class_weights = (torch.rand(V, device=KERNEL_DEVICE) + 0.5).to(dtype)
     argmax = logits.float().argmax(dim=-1)
     valid = targets != -100
