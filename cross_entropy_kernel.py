@@ -2,8 +2,7 @@
 
 What it computes
 ----------------
-For a row of logits x[0..V) and its target class t (PyTorch's `F.cross_entropy`, class-index targets, label
-smoothing eps, 0 by default):
+For a row of logits x[0..V), its target class t and label smoothing eps (PyTorch's `F.cross_entropy`):
 
     lse  = log(sum_j exp(x_j))                                # log-sum-exp, the softmax normalizer
     loss = lse - (1 - eps) * x_t - (eps / V) * sum_j x_j
@@ -18,33 +17,28 @@ softcapping and the argmax per row (token accuracy, predicted tokens); see "Extr
 Bytes it must move, and why fusion wins
 ---------------------------------------
 At least one read of every logit and one write of every gradient entry: 2 * N * V * itemsize bytes (16384 LLaMA-3
-tokens, V = 128256, bf16: 4.2 GB each way). PyTorch's path writes an fp32 log-softmax of all the logits and reads the
-rows several times, and keeps that fp32 copy for the backward (+24 GB at that size). Here the gradient is made in the
-forward pass, so the backward only multiplies it by grad_output (nothing to do when that is 1); each row is read twice
-(pass 1: statistics, pass 2: gradient), the second time mostly from L2. On an H100/H200 the launcher runs, where it
-pays, a variant that keeps the row in shared memory between the passes: cross_entropy_smem_kernel.py, written in
-Gluon. linear_cross_entropy_kernel.py runs this launcher on chunks of hidden @ W.T, never holding all the logits.
+tokens, V = 128256, bf16: 4.2 GB each way). PyTorch's path writes an fp32 log-softmax of all the logits, reads the rows
+several times, and keeps that fp32 copy for the backward (+24 GB at that size). Here the gradient is made in the forward
+pass, so the backward only multiplies it by grad_output (nothing to do when that is 1); each row is read twice (pass 1:
+statistics, pass 2: gradient), the second time mostly from L2. On an H100/H200 the launcher runs, where it pays, a Gluon
+variant that keeps the row in shared memory between the passes (cross_entropy_smem_kernel.py).
+linear_cross_entropy_kernel.py runs this launcher on chunks of hidden @ W.T, never holding all the logits.
 
 Triton concepts introduced here (new relative to rmsnorm_kernel.py)
 -------------------------------------------------------------------
 - a loop over chunks inside one program (a row of 128256 values is much longer than one block); online softmax
-- lanes: a chunk seen as a [BLOCK_V // 8, 8] tile whose rows each thread holds whole, so reducing axis 1 stays
-  inside one thread (no shuffles, no barriers)
+- lanes: a chunk as a [BLOCK_V // 8, 8] tile whose rows each thread holds whole: reducing axis 1 needs no shuffle
 - eviction policies on loads and stores (evict_last / evict_first: which lines L2 should keep)
 - inline PTX with tl.inline_asm_elementwise (one-instruction exp2 and reciprocal), and tl.debug_barrier
-- balancing the GPU's pipes: an exp2 by bit manipulation and a polynomial on the FMA pipe (bitcasts with
-  .to(..., bitcast=True)) where the multi-function unit is the bottleneck (the softcap)
+- bitcasts, .to(..., bitcast=True): an exp2 on the FMA pipe where the multi-function unit is the bottleneck (softcap)
 - optional features as constexpr switches with None arguments (the extras): code that is off is not compiled
 
 Limits
 ------
-Class-index targets only (no probability targets); fp32 arithmetic and loss, gradient in the logits' dtype;
-targets outside [0, V) give NaN rows (check_targets=True raises instead); the backward scales the stored gradient in
-place, so it runs once. The shared-memory kernel runs only on compute capability 9.x with a Triton whose Gluon has
-what it uses; every other GPU, and fp32 logits, take the row kernel.
-
-torch.compile traces the loss as a custom operator (section 3, as in rmsnorm_kernel.py), extras included;
-inplace_backward=True cannot be compiled (a clear error).
+Class-index targets only; fp32 arithmetic and loss, gradient in the logits' dtype; targets outside [0, V) give NaN rows
+(check_targets=True raises instead); the backward scales the stored gradient in place, so it runs once. The
+shared-memory kernel needs compute capability 9.x and 16-bit logits. torch.compile traces the loss as the operator
+torch.ops.playbook.cross_entropy (section 3), extras included; inplace_backward=True cannot be compiled (a clear error).
 """
 import contextlib
 import functools
@@ -68,14 +62,6 @@ import triton.language as tl  # noqa: E402
 # The one device rule: the kernels run on the GPU when there is one, on the CPU interpreter otherwise.
 INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 KERNEL_DEVICE = "cpu" if INTERPRETER else "cuda"
-
-
-def _check_device(who, name, tensor):
-    """Raise a clear error unless `tensor` lives where the kernels run."""
-    if tensor.device.type != KERNEL_DEVICE:
-        raise ValueError(f"{who}: {name} is on {tensor.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
-                         f"move it to {KERNEL_DEVICE}")
-
 
 __all__ = ["cross_entropy", "CrossEntropyFunction", "TritonCrossEntropyLoss", "cross_entropy_forward",
            "cross_entropy_backward", "CrossEntropyOutput"]
@@ -474,9 +460,7 @@ def _round_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The extras' helpers: softcap, class weights and z-loss in the gradient, argmax
-# ----------------------------------------------------------------------------------------------------------------------
+# ---- The extras' helpers: softcap, class weights and z-loss in the gradient, argmax ----
 @triton.jit
 def _exp2_on_fma(y):
     """2^y without the multi-function unit, on the FMA pipe: y = j + f with j = round(y), f in [-0.5, 0.5]. Adding
@@ -568,10 +552,9 @@ def _gradient_scales(scale, label_smoothing, V, weight_target, weight_total, lse
     return softmax_scale, target_scale
 
 
-# The argmax per row, in the pass over the logits that computes the loss: each lane keeps, besides its running max,
-# the lowest chunk index where that max occurs (a compare and a select per lane and chunk, nothing per logit). After
-# the pass, the lowest (chunk, lane) whose max is the row's max holds the row's first maximal column, and re-reading
-# its LANE_WIDTH logits tells which one: torch.argmax's rule, the lowest column among equal maxima.
+# The argmax per row, in pass 1: each lane keeps, besides its running max, the lowest chunk index where that max occurs
+# (a compare and a select per lane and chunk, nothing per logit). The lowest (chunk, lane) whose max is the row's then
+# holds the row's first maximal column, found by re-reading its LANE_WIDTH logits (torch.argmax's rule).
 @triton.jit
 def _lane_argmax_update(x, chunk, lane_max, lane_chunk, IN_ORDER: tl.constexpr):
     """lane_chunk after chunk `chunk` of tile x, given the lanes' max before it; the compiler computes tl.max(x) once
@@ -641,50 +624,45 @@ def _scale_rows_kernel(
 # 2. Launchers
 # ----------------------------------------------------------------------------------------------------------------------
 _REDUCTIONS = ("mean", "sum", "none")
-# The extras' scalars the kernels take as fp32, and the softcap's slope divides by softcap^2: each must survive that.
+# (low, high, meaning) of each scalar option: the kernels take them as fp32; the softcap slope divides by softcap^2.
 _FP32 = torch.finfo(torch.float32)
-_EXTRA_RANGES = {"lse_square_scale": (0.0, _FP32.max), "softcap": (math.sqrt(_FP32.tiny), math.sqrt(_FP32.max))}
+_NUMBER_RANGES = {"label_smoothing": (0.0, 1.0, ""), "lse_square_scale": (0.0, _FP32.max, " (finite in float32)"),
+                  "softcap": (math.sqrt(_FP32.tiny), math.sqrt(_FP32.max),
+                              " (finite in float32, its square too; None: no softcap)")}
 _LANE_WIDTH = 8  # columns per lane: 8 x 2 bytes = one 16-byte load per thread for bf16
 _PROGRAMS_PER_SM = 128  # no persistent grid: one program per row, as many resident as the registers allow
+_MAX_BLOCK_V = 16384  # the widest chunk of either kernel (fp32 logits on a GPU)
 # Below this many rows per multiprocessor the shared-memory kernel's first row per program waits for all its loads and
 # the row kernel is faster (e.g. 768 rows, a linear cross-entropy chunk; measured on an H200, see results/NOTES.md).
 _SMEM_MIN_ROWS_PER_SM = 8
-# The Gluon names cross_entropy_smem_kernel.py uses, by module. Gluon is experimental and renames things between
-# Triton releases, so the dispatch checks for these rather than for a version. Its barrier is Triton 3.6's
-# thread_barrier or Triton 3.7's barrier, whichever is there (see _missing_gluon_names).
-_GLUON_NAMES = {
-    "triton.experimental.gluon": ("jit",),
-    "triton.experimental.gluon.language": (
-        "BlockedLayout", "SliceLayout", "SwizzledSharedLayout", "allocate_shared_memory", "arange", "full", "load",
-        "log", "log2", "minimum", "num_programs", "program_id", "static_range", "store", "where", "zeros",
-        "zeros_like"),
-    "triton.experimental.gluon.language.nvidia.ampere.async_copy": (
-        "async_copy_global_to_shared", "commit_group", "wait_group"),
-}
+# The Gluon names cross_entropy_smem_kernel.py uses, by module: Gluon is experimental and renames things between Triton
+# releases, so the dispatch checks names, not a version (the barrier's two names: see _missing_gluon_names).
+_GLUON_NAMES = {"triton.experimental.gluon": ("jit",),
+                "triton.experimental.gluon.language": (
+                    "BlockedLayout", "SliceLayout", "SwizzledSharedLayout", "allocate_shared_memory", "arange", "full",
+                    "load", "log", "log2", "minimum", "num_programs", "program_id", "static_range", "store", "where",
+                    "zeros", "zeros_like"),
+                "triton.experimental.gluon.language.nvidia.ampere.async_copy": (
+                    "async_copy_global_to_shared", "commit_group", "wait_group")}
 
 
 def _launch_shape(V, itemsize, on_gpu, block_v=None):
     """(BLOCK_V, num_warps, CHUNKS_PER_STEP, maxnreg) of the row kernel; block_v (tests) overrides the chunk width.
-
     16-bit logits on a GPU: 8192-wide chunks, 32 warps, two chunks per step, at most 32 registers per thread, so two
-    programs fit per multiprocessor with two 16-byte loads in flight per thread: the fastest shape measured on an H200
-    (see results/NOTES.md). fp32 logits: 16384-wide chunks, one per step, no register cap (the 16-bit shape spills
-    there). CPU interpreter: 256-wide chunks and 4 warps (each chunk costs ~1 ms of Python there, and tests want
-    several chunks per row), CHUNKS_PER_STEP by dtype as on the GPU, so that the tests run both loop forms.
-    """
+    programs fit per multiprocessor with two 16-byte loads in flight per thread (the fastest shape measured on an H200).
+    fp32 logits: 16384-wide chunks, one per step, no register cap (the 16-bit shape spills there). CPU interpreter:
+    256-wide chunks and 4 warps (a chunk costs ~1 ms of Python; tests want several per row), and both loop forms."""
     chunks_per_step = 2 if itemsize <= 2 else 1
-    if not on_gpu:
-        return block_v or min(256, triton.next_power_of_2(max(V, 1))), 4, chunks_per_step, None
-    if chunks_per_step == 2:
-        # The register cap belongs to the measured shape, not to a test's chunk width.
-        return block_v or min(8192, triton.next_power_of_2(max(V, 1))), 32, 2, None if block_v else 32
-    return block_v or min(16384, triton.next_power_of_2(max(V, 1))), 32, 1, None
+    widest = 256 if not on_gpu else 8192 if chunks_per_step == 2 else 16384
+    # The register cap belongs to the measured shape, not to a test's chunk width.
+    maxnreg = 32 if on_gpu and chunks_per_step == 2 and not block_v else None
+    return block_v or min(widest, triton.next_power_of_2(max(V, 1))), 32 if on_gpu else 4, chunks_per_step, maxnreg
 
 
 @functools.cache
 def _missing_gluon_names():
-    """The Gluon names of _GLUON_NAMES (and a barrier) that the installed Triton lacks, as "module.name"; empty when
-    the shared-memory kernel can be compiled. Checked once: the dispatch asks on every launch."""
+    """The names of _GLUON_NAMES and a barrier (Triton 3.6's thread_barrier, 3.7's barrier) that the installed Triton
+    lacks, as "module.name"; empty when the shared-memory kernel can be compiled. Cached: asked per launch."""
     missing = []
     for module_name, names in _GLUON_NAMES.items():
         try:
@@ -699,25 +677,19 @@ def _missing_gluon_names():
 
 
 def _smem_kernel_allowed(properties):
-    """The dispatch rule: the shared-memory kernel (cross_entropy_smem_kernel.py) runs only on compute capability 9.x
-    (H100, H200), where it was tuned, and only when the installed Gluon has every name it uses. Every other GPU
-    (Ampere, Blackwell, ...) takes the row kernel. `properties`: torch.cuda.get_device_properties of the logits' GPU,
-    or None on the CPU interpreter, which runs the shared-memory kernel too (through its stand-in for Gluon), so that
-    the CPU tests check its schedule."""
-    if properties is None:
-        return True
-    return properties.major == 9 and not _missing_gluon_names()
+    """The dispatch rule: the shared-memory kernel runs only on compute capability 9.x (H100, H200), where it was tuned,
+    when the installed Gluon has every name it uses, and on the CPU interpreter (properties None:
+    torch.cuda.get_device_properties of the logits' GPU otherwise) through its Gluon stand-in, for the tests."""
+    return properties is None or (properties.major == 9 and not _missing_gluon_names())
 
 
 def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties, kernel=None, block_v=None,
                     n_streamed=None, n_ring=None, softcap=False):
-    """The launcher's choice: None for the row kernel, or the shared-memory kernel's plan (see
-    cross_entropy_smem_kernel._smem_plan). That kernel takes 16-bit logits with a gradient to write, where
-    _smem_kernel_allowed, with at least _SMEM_MIN_ROWS_PER_SM rows per multiprocessor, every row 16-byte aligned
-    (cp.async copies 16 bytes per thread), and no softcap: the softcap's tanh per logit and pass needs more warps in
-    flight than that kernel's one program per multiprocessor has, and the row kernel is faster with it (measured on an
-    H200, see results/NOTES.md). kernel="rows" / "smem" force one (tests); forcing "smem" where it cannot run raises
-    ValueError."""
+    """None for the row kernel, or the shared-memory kernel's plan (cross_entropy_smem_kernel._smem_plan) for 16-bit
+    logits with a gradient to write, where _smem_kernel_allowed, with _SMEM_MIN_ROWS_PER_SM rows per multiprocessor,
+    rows 16-byte aligned (cp.async copies 16 bytes per thread) and no softcap (its tanh per logit and pass needs more
+    warps in flight than one program per multiprocessor has: the row kernel is faster, measured on an H200).
+    kernel="rows" / "smem" (tests) forces one, and raises ValueError for "smem" where it cannot run."""
     if kernel not in (None, "rows", "smem"):
         raise ValueError(f"cross_entropy_forward: kernel must be None, 'rows' or 'smem', got {kernel!r}")
     plan = None
@@ -733,28 +705,32 @@ def _pick_smem_plan(V, itemsize, n_rows, compute_grad, rows_aligned, properties,
 
 
 def _smem_kernel_module():
-    """cross_entropy_smem_kernel, imported on first use: only where the shared-memory kernel may run, so that the row
-    kernel's path needs neither that module nor Gluon."""
+    """cross_entropy_smem_kernel, imported on first use: the row kernel's path needs neither that module nor Gluon."""
     import cross_entropy_smem_kernel
     return cross_entropy_smem_kernel
 
 
 def _on_tensor_device(t):
     """Triton launches on the CURRENT CUDA device and its stream: switch to t's GPU when it is another one (a model
-    spread over GPUs with device_map), and only then, because entering torch.cuda.device() on every call costs host
-    time in a host-bound step."""
+    spread over GPUs with device_map), and only then: entering torch.cuda.device() on every call costs host time."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
 
 
+def _check_number(who, name, value):
+    """A scalar option: a Python number (not a bool, not a tensor) within its _NUMBER_RANGES."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{who}: {name} must be a Python number, got {type(value).__name__}")
+    low, high, meaning = _NUMBER_RANGES[name]
+    if not low <= value <= high:  # also false for NaN
+        raise ValueError(f"{who}: {name} must be in [{low:.3g}, {high:.3g}]{meaning}, got {value}")
+
+
 def _check_common_args(who, reduction, label_smoothing):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{who}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise TypeError(f"{who}: label_smoothing must be a Python number, got {type(label_smoothing).__name__}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{who}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    _check_number(who, "label_smoothing", label_smoothing)
 
 
 def _check_extras(who, extras, V=None, device=None, weight_name="weight"):
@@ -762,27 +738,18 @@ def _check_extras(who, extras, V=None, device=None, weight_name="weight"):
     below). V and device, which a module's constructor does not know yet, check the class weights' shape and device."""
     weight = extras["weight"]
     if weight is not None:
+        what = f"{who}: {weight_name} (class weights)"
         if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"{who}: {weight_name} (class weights) must be a torch.Tensor or None, got "
-                            f"{type(weight).__name__}")
+            raise TypeError(f"{what} must be a torch.Tensor or None, got {type(weight).__name__}")
         if not weight.dtype.is_floating_point:
-            raise TypeError(f"{who}: {weight_name} (class weights) must be floating point, got dtype {weight.dtype}")
+            raise TypeError(f"{what} must be floating point, got dtype {weight.dtype}")
         if V is not None and tuple(weight.shape) != (V,):
-            raise ValueError(f"{who}: {weight_name} (class weights) must have shape [V] = [{V}], got "
-                             f"{tuple(weight.shape)}")
+            raise ValueError(f"{what} must have shape [V] = [{V}], got {tuple(weight.shape)}")
         if device is not None and weight.device != device:
-            raise ValueError(f"{who}: {weight_name} (class weights) is on {weight.device}, the other inputs on "
-                             f"{device}; put them on one device")
-    for name in ("lse_square_scale", "softcap"):
-        value = extras[name]
-        if name == "softcap" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{who}: {name} must be a Python number, got {type(value).__name__}")
-        low, high = _EXTRA_RANGES[name]
-        if not low <= value <= high:  # also false for NaN
-            raise ValueError(f"{who}: {name} must be in [{low:.3g}, {high:.3g}] (finite in float32"
-                             f"{', its square too; None: no softcap' if name == 'softcap' else ''}), got {value}")
+            raise ValueError(f"{what} is on {weight.device}, the other inputs on {device}; put them on one device")
+    _check_number(who, "lse_square_scale", extras["lse_square_scale"])
+    if extras["softcap"] is not None:
+        _check_number(who, "softcap", extras["softcap"])
     for name in ("return_z_loss", "return_token_accuracy", "return_predicted_tokens"):
         if not isinstance(extras[name], bool):
             raise TypeError(f"{who}: {name} must be True or False, got {extras[name]!r}")
@@ -801,9 +768,8 @@ def _check_target_range(who, targets, V, ignore_index):
 def _validate_rows(who, rows, targets, reduction, label_smoothing, V=None, name="logits", shapes="[N, V] or [B, T, V]"):
     """The checks both losses make: `rows` (the logits, or the linear cross-entropy's hidden states) 2-D or 3-D,
     floating point, where the kernels run; targets of its shape without the last dim, on its device, int64 (PyTorch's
-    class-index dtype) or int32: narrower integers cannot hold ignore_index = -100 next to a 128256-word vocabulary,
-    and uint8 would turn -100 into 156, a real class, in the host's comparisons. V: the vocabulary (by default the
-    last dim of the logits), which must not be empty when there are targets."""
+    class-index dtype) or int32: narrower integers cannot hold ignore_index = -100 next to a 128256-word vocabulary, and
+    uint8 would turn -100 into 156, a real class. V (default: the last dim) must not be 0 when there are targets."""
     if not isinstance(rows, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise TypeError(f"{who}: {name} and targets must be torch.Tensor")
     if rows.dim() not in (2, 3):
@@ -820,7 +786,9 @@ def _validate_rows(who, rows, targets, reduction, label_smoothing, V=None, name=
     if targets.device != rows.device:
         raise ValueError(f"{who}: targets is on {targets.device} but {name} is on {rows.device}; put them on one "
                          f"device")
-    _check_device(who, name, rows)
+    if rows.device.type != KERNEL_DEVICE:
+        raise ValueError(f"{who}: {name} is on {rows.device}, but the Triton kernels run on {KERNEL_DEVICE} here; "
+                         f"move it to {KERNEL_DEVICE}")
     _check_common_args(who, reduction, label_smoothing)
 
 
@@ -836,19 +804,13 @@ def _row_layout(x):
     return max(x.shape[0], 1), 0, x.stride(0)
 
 
-# Extras, with Liger-Kernel's names and semantics (see `cross_entropy`); each is a constexpr switch of both kernels, so
-# with all of them off the kernels compile to the same code as without them (a None argument becomes a constexpr, not
-# a parameter).
-# - weight, class weights w (PyTorch's rule): with label smoothing eps a row's loss is (1 - eps) * w[target] *
-#   (lse - x[target]) + eps / V * sum_j w_j * (lse - x_j). The kernels read w[target] once per row, all of w only
-#   with smoothing.
-# - lse_square_scale, the z-loss (PaLM): lse_square_scale * lse^2 per non-ignored row; its gradient
-#   2 * lse_square_scale * lse * softmax is folded into pass 2.
-# - softcap (Gemma 2): every logit read becomes softcap * t, t = tanh(logit / softcap), in both passes; the gradient
-#   takes the chain factor 1 - t^2. No extra pass, but a tanh per logit and pass besides the exp2 (see _tanh); the
-#   row kernel keeps its maxima in units of t, so one multiply-add takes t to the exponent (_capped_softmax_update).
-# - return_token_accuracy, return_predicted_tokens: the argmax per row, from the loss's pass over the logits (see
-#   _lane_argmax_update).
+# Extras, with Liger-Kernel's names and semantics (see `cross_entropy`), each a constexpr switch of both kernels: with
+# all of them off the kernels compile to the same code as without them (a None argument becomes a constexpr).
+# - weight, class weights (PyTorch's rule, see _row_loss): all of them are read only with label smoothing.
+# - lse_square_scale, the z-loss (PaLM): its gradient 2 * lse_square_scale * lse * softmax is folded into pass 2.
+# - softcap (Gemma 2): each logit read becomes softcap * tanh(logit / softcap), in both passes: no extra pass, but a
+#   tanh per logit and pass (see _tanh, _capped_softmax_update, and _softmax_gradient for the chain rule).
+# - return_token_accuracy, return_predicted_tokens: the argmax per row, from pass 1 (see _lane_argmax_update).
 class _Extras(NamedTuple):
     """One launch's extras, None where off: the kernels' extras arguments."""
     weight: Optional[torch.Tensor] = None  # class weights as the kernels read them (_packed_weight)
@@ -857,9 +819,6 @@ class _Extras(NamedTuple):
     z_scale: Optional[torch.Tensor] = None  # fp32 gradient scale of the z-loss, with the launch's scale_stride
     softcap: Optional[float] = None
     predicted: Optional[torch.Tensor] = None  # [rows] int64, written: argmax per row, -1 on ignored rows
-
-
-_MAX_BLOCK_V = 16384  # the widest chunk of either kernel (fp32 logits on a GPU)
 
 
 def _packed_weight(weight):
@@ -875,10 +834,9 @@ def _packed_weight(weight):
 def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_stride, ignore_index, label_smoothing,
                           positive_scale=True, kernel=None, block_v=None, n_streamed=None, n_ring=None,
                           extras=_Extras()):
-    """Launch a kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N],
-    losses [N] fp32, grad (same shape as logits, or None for loss only), scale an fp32 device tensor, extras an
-    _Extras. positive_scale=False when the scale can be <= 0 (a user's grad_output). kernel, block_v, n_streamed,
-    n_ring are for tests: see _pick_smem_plan and cross_entropy_smem_kernel._smem_plan."""
+    """Launch a kernel on prepared tensors: logits [N, V] or [B, T, V] (unit last stride), targets_flat [N], losses [N]
+    fp32, grad (logits' shape; None: loss only), scale an fp32 device tensor, extras an _Extras. positive_scale=False
+    when the scale can be <= 0 (a user's grad_output); kernel .. n_ring (tests): see _pick_smem_plan."""
     V = logits.shape[-1]
     n_rows = targets_flat.numel()
     if n_rows == 0:
@@ -901,47 +859,26 @@ def _launch_cross_entropy(logits, targets_flat, losses, grad, scale, scale_strid
                     HAS_WEIGHT=extras.weight is not None, HAS_Z_LOSS=extras.z_losses is not None,
                     HAS_SOFTCAP=extras.softcap is not None, TRACK_ARGMAX=extras.predicted is not None,
                     FAST_TANH=on_gpu and logits.element_size() == 2)
-    # Triton compiles cp.async's 16-byte form when the base address and the row strides are multiples of 16 bytes
-    # (e.g. V = 50257 does not qualify); the interpreter has no such constraint.
+    # cp.async's 16-byte form needs the base address and the row strides in multiples of 16 bytes (not V = 50257).
     rows_aligned = not on_gpu or (logits.data_ptr() % 16 == 0 and stride_b % 16 == 0 and stride_t % 16 == 0)
     smem_plan = _pick_smem_plan(V, logits.element_size(), n_rows, compute_grad, rows_aligned, properties, kernel,
                                 block_v, n_streamed, n_ring, extras.softcap is not None)
     if smem_plan is not None:
         block_v, num_warps, n_chunks, n_streamed, n_ring = smem_plan
-        assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
         # One program per multiprocessor on the GPU (it takes the shared memory); the interpreter runs them in turn.
         n_programs = min(n_rows, properties.multi_processor_count if on_gpu else 4)
-        with _on_tensor_device(logits):
-            _smem_kernel_module()._cross_entropy_smem_kernel[(n_programs,)](
-                *args, BLOCK_V=block_v, LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring,
-                NUM_WARPS=num_warps, num_warps=num_warps, **switches)
-        return
-    block_v, num_warps, chunks_per_step, maxnreg = _launch_shape(V, logits.element_size(), on_gpu, block_v)
-    assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
-    # The interpreter runs programs one after another anyway: a few suffice there.
-    n_programs = min(n_rows, _PROGRAMS_PER_SM * properties.multi_processor_count if on_gpu else 4)
-    with _on_tensor_device(logits):
-        _cross_entropy_kernel[(n_programs,)](
-            *args, BLOCK_V=block_v, LANE_WIDTH=min(_LANE_WIDTH, block_v), COMPUTE_GRAD=compute_grad,
-            CHUNKS_PER_STEP=chunks_per_step, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
-            **switches)
-
-
-def _reduction_scale(targets, ignore_index, reduction, weight=None):
-    """(gradient scale as a 0-dim fp32 device tensor, denominator of the mean or None). "mean": 1 / denominator, the
-    number of non-ignored targets or, with class weights, the sum of their weights (PyTorch's rule; a target outside
-    [0, V) adds nothing, its row is NaN anyway); inf when it is 0 (every row ignored, and ignored rows are not
-    scaled: they get zeros). "sum"/"none": 1."""
-    if reduction != "mean":
-        return torch.ones((), dtype=torch.float32, device=targets.device), None
-    valid = targets != ignore_index
-    if weight is None:
-        denominator = valid.sum()
+        triton_kernel = _smem_kernel_module()._cross_entropy_smem_kernel
+        options = dict(LANE_WIDTH=_LANE_WIDTH, N_CHUNKS=n_chunks, K=n_streamed, Q=n_ring, NUM_WARPS=num_warps)
     else:
-        counted = valid & (targets >= 0) & (targets < weight.shape[0])
-        target_weights = weight.to(torch.float32)[torch.where(counted, targets, 0)]
-        denominator = torch.where(counted, target_weights, 0.0).sum()
-    return 1.0 / denominator.to(torch.float32), denominator
+        block_v, num_warps, chunks_per_step, maxnreg = _launch_shape(V, logits.element_size(), on_gpu, block_v)
+        # The interpreter runs programs one after another anyway: a few suffice there.
+        n_programs = min(n_rows, _PROGRAMS_PER_SM * properties.multi_processor_count if on_gpu else 4)
+        triton_kernel = _cross_entropy_kernel
+        options = dict(LANE_WIDTH=min(_LANE_WIDTH, block_v), COMPUTE_GRAD=compute_grad,
+                       CHUNKS_PER_STEP=chunks_per_step, **({"maxnreg": maxnreg} if maxnreg else {}))
+    assert extras.weight is None or extras.weight.numel() % block_v == 0, "see _packed_weight"
+    with _on_tensor_device(logits):
+        triton_kernel[(n_programs,)](*args, BLOCK_V=block_v, num_warps=num_warps, **options, **switches)
 
 
 def _reduce(losses, reduction, denominator, targets_shape):
@@ -955,8 +892,7 @@ def _reduce(losses, reduction, denominator, targets_shape):
 
 
 class _LossTerms:
-    """One call's per-row results and their reduction: the fp32 losses, the extras' buffers (None where off), the
-    reduction's gradient scales, and the result (the loss, or a CrossEntropyOutput when a return_* flag is set)."""
+    """One call's per-row buffers (the fp32 losses, the extras'), its gradient scales and its result, reduced."""
 
     def __init__(self, targets, ignore_index, reduction, device, weight=None, lse_square_scale=0.0, softcap=None,
                  return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
@@ -965,36 +901,42 @@ class _LossTerms:
         n_rows = self.targets_flat.numel()
         self.losses = torch.empty(n_rows, dtype=torch.float32, device=device)
         self.returns = (return_z_loss, return_token_accuracy, return_predicted_tokens)
-        self.scale, self.denominator = _reduction_scale(self.targets_flat, ignore_index, reduction, weight)
-        # The z-loss's mean and the token accuracy count the non-ignored rows, whatever the class weights.
-        self.n_valid = self.denominator if weight is None else None
-        if self.n_valid is None and (reduction == "mean" or return_token_accuracy):
-            self.n_valid = (self.targets_flat != ignore_index).sum()
-        z_scale = 1.0 / self.n_valid.to(torch.float32) if weight is not None and reduction == "mean" else self.scale
-        z_loss_on = lse_square_scale != 0  # return_z_loss alone returns zeros, as Liger does, without kernel work
-        self.extras = _Extras(
-            weight=None if weight is None else _packed_weight(weight),
-            lse_square_scale=float(lse_square_scale) if z_loss_on else None,
-            z_losses=torch.empty(n_rows, dtype=torch.float32, device=device) if z_loss_on else None,
-            z_scale=z_scale if z_loss_on else None,
-            softcap=None if softcap is None else float(softcap),
-            predicted=(torch.empty(n_rows, dtype=torch.int64, device=device)
-                       if return_token_accuracy or return_predicted_tokens else None))
+        # The gradient's scale: 1 for "sum" and "none"; for "mean" 1 / denominator, the number of non-ignored targets
+        # or, with class weights, the sum of their weights (PyTorch's rule; a target outside [0, V) adds nothing, its
+        # row is NaN anyway), inf when that is 0 (ignored rows get zeros, unscaled). The z-loss's mean and the token
+        # accuracy count the non-ignored rows (n_valid) whatever the class weights.
+        self.scale = torch.ones((), dtype=torch.float32, device=targets.device)
+        self.denominator = self.n_valid = None
+        if reduction == "mean" or return_token_accuracy:
+            valid = self.targets_flat != ignore_index
+            self.n_valid = valid.sum()
+        if reduction == "mean":
+            self.denominator = self.n_valid
+            if weight is not None:
+                counted = valid & (self.targets_flat >= 0) & (self.targets_flat < weight.shape[0])
+                target_weights = weight.to(torch.float32)[torch.where(counted, self.targets_flat, 0)]
+                self.denominator = torch.where(counted, target_weights, 0.0).sum()
+            self.scale = 1.0 / self.denominator.to(torch.float32)
+        self.extras = _Extras(weight=None if weight is None else _packed_weight(weight),
+                              softcap=None if softcap is None else float(softcap))
+        if lse_square_scale != 0:  # return_z_loss alone returns zeros, as Liger does, without kernel work
+            z_scale = 1.0 / self.n_valid.to(torch.float32) if weight is not None and reduction == "mean" else self.scale
+            self.extras = self.extras._replace(lse_square_scale=float(lse_square_scale), z_scale=z_scale,
+                                               z_losses=torch.empty(n_rows, dtype=torch.float32, device=device))
+        if return_token_accuracy or return_predicted_tokens:
+            self.extras = self.extras._replace(predicted=torch.empty(n_rows, dtype=torch.int64, device=device))
 
     def result(self):
         """The loss (cross-entropy plus z-loss), reduced; with a return_* flag, a CrossEntropyOutput."""
         shape = self.targets.shape
         loss = _reduce(self.losses, self.reduction, self.denominator, shape)
-        return_z_loss, return_token_accuracy, return_predicted_tokens = self.returns
-        z_loss = None
+        return_z_loss, return_token_accuracy, _ = self.returns
+        z_loss = accuracy = predicted = None
         if self.extras.z_losses is not None:
             z_loss = _reduce(self.extras.z_losses, self.reduction, self.n_valid, shape)
             loss = loss + z_loss
         elif return_z_loss:
             z_loss = _reduce(torch.zeros_like(self.losses), self.reduction, self.n_valid, shape)
-        if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
-            return loss
-        accuracy = predicted = None
         if self.extras.predicted is not None:
             predicted = self.extras.predicted.view(shape)
         if return_token_accuracy:
@@ -1002,20 +944,17 @@ class _LossTerms:
             # of the non-ignored rows, NaN when there is none, as 0 / 0 in PyTorch).
             correct = ((predicted == self.targets) & (self.targets != self.ignore_index)).to(torch.float32)
             accuracy = correct if self.reduction == "none" else correct.sum() / self.n_valid
-        return CrossEntropyOutput(loss, z_loss if return_z_loss else None, accuracy,
-                                  predicted if return_predicted_tokens else None)
+        return _from_fields((loss, z_loss, accuracy, predicted), *self.returns)
 
 
 def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                           compute_grad=True, inplace_backward=False, check_targets=False, *, weight=None,
                           lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
                           return_predicted_tokens=False, kernel=None, block_v=None, n_streamed=None, n_ring=None):
-    """The launcher, without autograd: returns (loss, grad_logits or None), or (CrossEntropyOutput, grad_logits or
-    None) when a return_* flag is set. The gradient is already scaled for the reduction (1/n_valid for "mean") as if
-    grad_output were 1; with inplace_backward=True it is written into the logits' own storage. weight ..
-    return_predicted_tokens are the extras of `cross_entropy`. The last keyword-only arguments are for tests: kernel=
-    "rows" / "smem" forces a kernel, block_v its chunk width, n_streamed and n_ring the shared-memory kernel's
-    schedule (see cross_entropy_smem_kernel._smem_plan); by default the launcher picks (see _pick_smem_plan)."""
+    """The launcher, without autograd: (loss, grad_logits or None), the loss a CrossEntropyOutput when a return_* flag
+    is set. The gradient is already scaled for the reduction (1/n_valid for "mean") as if grad_output were 1; with
+    inplace_backward=True it is written into the logits' own storage. weight .. return_predicted_tokens: the extras of
+    `cross_entropy`; kernel .. n_ring force a kernel and its shape (tests, see _pick_smem_plan)."""
     extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     _validate_cross_entropy(logits, targets, reduction, label_smoothing, extras)
@@ -1061,8 +1000,7 @@ def cross_entropy_backward(grad_logits, grad_output):
 # 3. Autograd Function, custom operators (torch.compile), functional API, module
 # ----------------------------------------------------------------------------------------------------------------------
 class CrossEntropyOutput(NamedTuple):
-    """What `cross_entropy` and `linear_cross_entropy` return when a return_* flag is set (Liger-Kernel's fields);
-    a field that was not asked for is None. Only `loss` has a gradient."""
+    """Returned with a return_* flag (Liger-Kernel's fields): None where not asked for; only `loss` has a gradient."""
     loss: torch.Tensor
     z_loss: Optional[torch.Tensor] = None
     token_accuracy: Optional[torch.Tensor] = None
@@ -1085,9 +1023,8 @@ class CrossEntropyFunction(torch.autograd.Function):
                 weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
                 return_predicted_tokens=False):
         if inplace_backward:
-            # The kernel is about to overwrite the logits with their gradient. Bump their version counter so that if
-            # some other op saved these logits for its backward, autograd raises its usual "modified by an inplace
-            # operation" error instead of silently using the gradient as logits.
+            # The kernel is about to overwrite the logits with their gradient. Bumping their version counter makes
+            # autograd raise "modified by an inplace operation" if another op saved them for its backward.
             torch.autograd.graph.increment_version(logits)
         result, grad = cross_entropy_forward(
             logits, targets, ignore_index, reduction, label_smoothing, True, inplace_backward, check_targets,
@@ -1110,11 +1047,10 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 # torch.compile cannot look inside a launcher, so the fused losses become custom operators, opaque nodes of the graph
-# (see rmsnorm_kernel.py, where this is introduced): register_fake gives their outputs' shapes without running them,
-# register_autograd their backward. The design stays the same: the forward operator returns the gradient, already
-# scaled for the reduction, as one more (non-differentiable) output, and the backward multiplies it by grad_output on
-# the device, with no host sync. An operator returns a fixed list of tensors, so the CrossEntropyOutput fields that were
-# not asked for come back as empty tensors, and the Python wrapper turns them into None again.
+# (introduced in rmsnorm_kernel.py): register_fake gives their outputs' shapes without running them, register_autograd
+# their backward. The forward operator returns the gradient, already scaled for the reduction, as one more
+# (non-differentiable) output; the backward multiplies it by grad_output on the device. An operator returns a fixed
+# list of tensors, so the CrossEntropyOutput fields not asked for come back as empty tensors, None again in Python.
 def _empty(device):
     """The placeholder for an operator output that was not asked for."""
     return torch.empty(0, dtype=torch.float32, device=device)
@@ -1127,19 +1063,16 @@ def _fields(result, device):
 
 
 def _fake_fields(targets, reduction, return_z_loss, return_token_accuracy, return_predicted_tokens):
-    """What _fields returns, as empty tensors: the loss, z-loss and accuracy are fp32, one value or one per row."""
+    """What _fields returns, as empty tensors: fp32, one value or one per row; the predicted tokens int64, per row."""
     shape = targets.shape if reduction == "none" else ()
-    device = targets.device
-
-    def fp32(wanted):
-        return torch.empty(shape, dtype=torch.float32, device=device) if wanted else _empty(device)
-    predicted = (torch.empty(targets.shape, dtype=torch.int64, device=device) if return_predicted_tokens
-                 else _empty(device))
-    return fp32(True), fp32(return_z_loss), fp32(return_token_accuracy), predicted
+    fields = ((True, shape, torch.float32), (return_z_loss, shape, torch.float32),
+              (return_token_accuracy, shape, torch.float32), (return_predicted_tokens, targets.shape, torch.int64))
+    return tuple(torch.empty(field_shape, dtype=dtype, device=targets.device) if wanted else _empty(targets.device)
+                 for wanted, field_shape, dtype in fields)
 
 
 def _from_fields(fields, return_z_loss, return_token_accuracy, return_predicted_tokens):
-    """The functional API's result from an operator's four fields: the loss, or a CrossEntropyOutput."""
+    """The result from the four fields (an operator's, or _LossTerms'): the loss, or a CrossEntropyOutput."""
     loss, z_loss, accuracy, predicted = fields
     if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
         return loss
@@ -1153,13 +1086,11 @@ def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
                       lse_square_scale: float, softcap: Optional[float], return_z_loss: bool,
                       return_token_accuracy: bool, return_predicted_tokens: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cross_entropy_forward as an operator: (loss, z_loss, token_accuracy, predicted_tokens, grad_logits),
-    placeholders for the fields not asked for and for the gradient without compute_grad."""
-    result, grad = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing,
-                                         compute_grad=compute_grad, check_targets=check_targets, weight=weight,
-                                         lse_square_scale=lse_square_scale, softcap=softcap,
-                                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                                         return_predicted_tokens=return_predicted_tokens)
+    """cross_entropy_forward as an operator: _fields(result), then grad_logits (a placeholder without compute_grad)."""
+    result, grad = cross_entropy_forward(
+        logits, targets, ignore_index, reduction, label_smoothing, compute_grad, False, check_targets, weight=weight,
+        lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     return *_fields(result, logits.device), _empty(logits.device) if grad is None else grad
 
 
@@ -1200,9 +1131,8 @@ def _cross_entropy_op_backward(ctx, grad_output, *extras_grads):
 _cross_entropy_op.register_autograd(_cross_entropy_op_backward, setup_context=_cross_entropy_setup_context)
 
 
-# A `raise` inside code that torch.compile traces makes it quietly run that code eagerly instead (where the in-place
-# path works), so the refusal lives in a function it does not trace: it raises the error, and under fullgraph=True the
-# compile fails with its reason.
+# A `raise` inside code that torch.compile traces makes it quietly run that code eagerly (where the in-place path
+# works), so the refusal lives in a function it does not trace: under fullgraph=True the compile fails with its reason.
 @torch.compiler.disable(reason="cross_entropy: inplace_backward=True cannot be compiled; pass inplace_backward=False")
 def _refuse_compiled_inplace_backward():
     raise ValueError("cross_entropy: inplace_backward=True cannot be compiled: an operator with a registered backward "
@@ -1218,17 +1148,13 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     logits [N, V] or [B, T, V] (any row strides) with targets [N] or [B, T], int64 or int32. reduction "mean" (over
     non-ignored rows), "sum" or "none" (per-row losses in the targets' shape, 0 for ignored rows, whose gradient is
     exactly zero). As in PyTorch, a mean over no rows (every target ignored, or N = 0) is NaN, with a zero (or empty)
-    gradient; "sum" gives 0 and "none" an empty tensor.
+    gradient; "sum" gives 0 and "none" an empty tensor. Targets outside [0, V) other than ignore_index are never used as
+    addresses: their rows are NaN, or check_targets=True raises ValueError (a host sync: a debug mode).
 
     inplace_backward=True writes the gradient into the logits' own memory during the forward pass (no extra [N, V]
-    buffer): the logits must not be used after this call (fine for lm_head's output, which a matmul's backward does
-    not need; if another op saved them for its backward, autograd raises). Logits whose last dimension is not
-    contiguous are copied first (the kernels need unit column stride), and the gradient goes into that copy.
-    torch.compile traces the call as the operator torch.ops.playbook.cross_entropy, where inplace_backward=True raises
-    ValueError (an operator with a backward may not overwrite its input).
-
-    Targets outside [0, V) other than ignore_index are never used as addresses; their rows' loss and gradient are NaN.
-    check_targets=True validates them on the host first and raises ValueError (a device sync: a debug mode).
+    buffer): the logits must not be used after this call (fine for lm_head's output, which a matmul's backward does not
+    need; if another op saved them for its backward, autograd raises). Logits whose last dimension is not contiguous are
+    copied first, the gradient going into the copy. Under torch.compile it raises ValueError.
 
     Extras (Liger-Kernel's names and meaning; how the kernels compute them: "Extras" in section 2):
     - weight: class weights [V], floating point (used in fp32), on the logits' device, as F.cross_entropy's `weight`
@@ -1236,14 +1162,12 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
     - lse_square_scale >= 0: adds the z-loss lse_square_scale * logsumexp(logits)^2 of each non-ignored row,
       unweighted ("mean" divides it by the number of non-ignored rows).
     - softcap > 0 or None: the loss sees softcap * tanh(logits / softcap) instead of the logits.
-    - return_z_loss, return_token_accuracy, return_predicted_tokens: the result is then a CrossEntropyOutput(loss,
-      z_loss, token_accuracy, predicted_tokens), fields not asked for None, only `loss` differentiable. z_loss is
-      reduced as the loss, which includes it. token_accuracy: the fraction of non-ignored rows whose argmax is the
-      target ("mean", "sum"; NaN when no row counts, as 0 / 0), or 1.0 / 0.0 per row ("none"; 0.0 on ignored rows).
-      predicted_tokens: each row's argmax (int64, the targets' shape, -1 on ignored rows, whatever ignore_index), the
-      lowest column among equal maxima as torch.argmax, after the softcap (which can make large logits equal);
-      undefined for rows with NaN logits.
-    """
+    - return_z_loss, return_token_accuracy, return_predicted_tokens: the result is then a CrossEntropyOutput (see
+      there). z_loss is reduced as the loss, which includes it. token_accuracy: the fraction of non-ignored rows whose
+      argmax is the target ("mean", "sum"; NaN when no row counts, as 0 / 0), or 1.0 / 0.0 per row ("none"; 0.0 on
+      ignored rows). predicted_tokens: each row's argmax (int64, the targets' shape, -1 on ignored rows, whatever
+      ignore_index), the lowest column among equal maxima as torch.argmax, after the softcap (which can make large
+      logits equal); undefined for rows with NaN logits."""
     extras = dict(weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -1261,9 +1185,8 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", label_sm
         result = CrossEntropyFunction.apply(logits, targets, ignore_index, reduction, label_smoothing,
                                             inplace_backward, check_targets, *extras.values())
         return CrossEntropyOutput(*result) if isinstance(result, tuple) else result
-    result, _ = cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing, compute_grad=False,
-                                      check_targets=check_targets, **extras)
-    return result
+    return cross_entropy_forward(logits, targets, ignore_index, reduction, label_smoothing, compute_grad=False,
+                                 check_targets=check_targets, **extras)[0]
 
 
 class _LossModule(torch.nn.Module):
@@ -1315,10 +1238,9 @@ def _main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    big = not INTERPRETER
-    parser.add_argument("--rows", type=int, default=4096 if big else 64,
+    parser.add_argument("--rows", type=int, default=64 if INTERPRETER else 4096,
                         help="tokens (default: 4096 on a GPU, 64 on the CPU interpreter)")
-    parser.add_argument("--vocab", type=int, default=128256 if big else 1000,
+    parser.add_argument("--vocab", type=int, default=1000 if INTERPRETER else 128256,
                         help="vocabulary size V (default: 128256 on a GPU, 1000 on the CPU interpreter)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="logits dtype")
     args = parser.parse_args(argv)
@@ -1327,26 +1249,23 @@ def _main(argv=None):
     import torch.nn.functional as F
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    floor = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
     torch.manual_seed(0)
     N, V = args.rows, args.vocab
     targets = torch.randint(0, V, (N,), device=KERNEL_DEVICE)
     targets[torch.rand(N, device=KERNEL_DEVICE) < 0.2] = -100  # 20 % ignored rows, as masked prompt tokens
-
-    floor = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
     logits = (torch.randn(N, V, device=KERNEL_DEVICE) * 3).to(dtype)
 
     def check(label, loss_fn, reference_fn, extra_ok=True, note=""):
-        """Print one line and return whether loss_fn passes the tests' rule against reference_fn in float64: the
-        loss within 1e-5, the gradient no worse than reference_fn's in the logits' dtype times 3, or under about 1 ulp
-        (floor)."""
+        """Print one line; True if loss_fn passes the tests' rule against reference_fn in float64: the loss within 1e-5,
+        the gradient no worse than reference_fn's in the logits' dtype times 3, or under about 1 ulp (floor)."""
         def loss_and_grad(fn, x):
             x = x.detach().clone().requires_grad_()
             loss = fn(x)
             return loss.detach(), torch.autograd.grad(loss, x)[0]
-        ref, same_dtype = loss_and_grad(reference_fn, logits.double()), loss_and_grad(reference_fn, logits)
-        ours = loss_and_grad(loss_fn, logits)
+        ref, ours = loss_and_grad(reference_fn, logits.double()), loss_and_grad(loss_fn, logits)
         loss_err, grad_err = _max_rel_err(ours[0], ref[0]), _max_rel_err(ours[1], ref[1])
-        torch_err = _max_rel_err(same_dtype[1], ref[1])
+        torch_err = _max_rel_err(loss_and_grad(reference_fn, logits)[1], ref[1])
         ok = loss_err <= 1e-5 and grad_err <= max(3 * torch_err, floor) and extra_ok
         print(f"{label}: max rel err loss {loss_err:.1e}, grad {grad_err:.1e} (PyTorch {args.dtype}: {torch_err:.1e})"
               f"{note} {'PASS' if ok else 'FAIL'}")
@@ -1354,8 +1273,7 @@ def _main(argv=None):
 
     ok = check(f"cross_entropy        {args.dtype} [{N}, {V}]", lambda x: cross_entropy(x, targets),
                lambda x: F.cross_entropy(x, targets))
-    # The extras together: class weights, z-loss, softcap (with label smoothing), and the token accuracy, with every
-    # other row's target its argmax.
+    # The extras together, and the token accuracy, with every other row's target its argmax.
     class_weights = (torch.rand(V, device=KERNEL_DEVICE) + 0.5).to(dtype)
     argmax = logits.float().argmax(dim=-1)
     valid = targets != -100
@@ -1376,7 +1294,6 @@ def _main(argv=None):
 
 if __name__ == "__main__":
     # cross_entropy_smem_kernel imports its helpers from `cross_entropy_kernel`: it finds this run's module under that
-    # name instead of executing the file a second time (a second copy of every kernel, custom operators registered
-    # again).
+    # name instead of running the file a second time (a second copy of every kernel, operators registered again).
     sys.modules.setdefault("cross_entropy_kernel", sys.modules[__name__])
     sys.exit(_main())
