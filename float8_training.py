@@ -49,8 +49,8 @@ The checks, one error line each
 -------------------------------
 Before the model loads: --loss ce or eager (those call the lm_head module, the one Linear float8 leaves out: the fp8
 run is defined with the fused linear cross-entropy); --fsdp and --cuda-graph (both refuse --compile too, and --fp8
-compiles); no GPU, or one below compute capability 8.9 (no FP8 tensor cores); torchao missing, or too old for the
-recipe. At the swap: a decoder Linear whose sizes are not multiples of 16 (the FP8 matmul's requirement), and
+compiles); no GPU, or one below compute capability 8.9 (no FP8 tensor cores); torch below 2.11 (NGC images before
+2.11 included); torchao missing, or too old for the recipe. At the swap: a decoder Linear whose sizes are not multiples of 16 (the FP8 matmul's requirement), and
 afterwards any decoder Linear left unconverted or a converted lm_head (the count goes into the run's "replaced"
 record). On the CPU, the tests run the same conversion with torchao's emulation (emulate=True: the same casts, the
 matmul in high precision).
@@ -79,6 +79,8 @@ import torch
 
 RECIPES = ("rowwise", "tensorwise")
 MIN_CAPABILITY = (8, 9)  # the first NVIDIA GPUs with FP8 tensor cores (Ada; Hopper is 9.0)
+# torchao 0.17+ is built against torch's stable ABI; the pinned 0.18 is built and tested for torch 2.11 and newer
+MIN_TORCH = (2, 11)
 # torch._scaled_mm, the FP8 matmul, takes operands whose sizes are multiples of 16
 FP8_MATMUL_MULTIPLE = 16
 
@@ -105,6 +107,10 @@ def fp8_problem(args, cuda_capability):
         found = "no CUDA device" if cuda_capability is None else "compute capability {}.{}".format(*cuda_capability)
         return (f"--fp8 needs a GPU with FP8 tensor cores, compute capability {major}.{minor} or higher (H100, L40S, "
                 f"RTX 4090); found {found}")
+    torch_release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if torch_release < MIN_TORCH:
+        return (f"--fp8 needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer for the pinned torchao; this is torch "
+                f"{torch.__version__}")
     version = torchao_version()
     if version is None:
         return "--fp8 needs torchao, which is not installed: pip install -r requirements.txt"

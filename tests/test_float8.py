@@ -212,6 +212,12 @@ def test_a_gpu_with_fp8_and_the_pinned_torchao_pass():
     assert float8_training.fp8_problem(parse(), (8, 9)) is None
 
 
+def test_a_torch_older_than_the_pinned_torchao_needs(monkeypatch):
+    monkeypatch.setattr(float8_training.torch, "__version__", "2.10.0a0+b4e4ee81d3")
+    assert float8_training.fp8_problem(parse(), (9, 0)) == (
+        "--fp8 needs torch 2.11 or newer for the pinned torchao; this is torch 2.10.0a0+b4e4ee81d3")
+
+
 def test_torchao_missing_or_too_old(monkeypatch):
     monkeypatch.setattr(float8_training, "torchao_version", lambda: None)
     assert "needs torchao, which is not installed" in float8_training.fp8_problem(parse(), (9, 0))
