@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -129,60 +130,32 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Run information: what ran, where, with which versions (goes into every header and JSON)
-
-def git_info():
-    """(short commit, dirty?) of the checkout. The GIT_COMMIT and GIT_DIRTY environment variables, when set, say
-    which commit a copied tree was taken from and take precedence: a copy on a GPU box may carry no .git, or a stale
-    one."""
-    if "GIT_COMMIT" in os.environ:
-        return os.environ["GIT_COMMIT"], os.environ.get("GIT_DIRTY") not in (None, "0")
-
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        if head.returncode == 0:
-            return head.stdout.strip(), bool(git("status", "--porcelain").stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "uncommitted", False
-
-
-def host_cpu():
-    """The host's CPU model and core count (Linux: /proc/cpuinfo): it sets the pace of host-bound steps, so figures
-    from different hosts differ."""
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
-
+# What ran, where, with which versions (every header and JSON)
 
 def run_info():
-    commit, dirty = git_info()
-    return {
-        "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
-        "host": socket.gethostname(),
-        "host_cpu": host_cpu(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _triton_version(),
-        "transformers": transformers.__version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "command": [sys.executable, *sys.argv],
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-
-
-def _triton_version():
+    """What ran, where, with which versions. The GIT_COMMIT and GIT_DIRTY environment variables, when set, name the
+    commit a copied tree was taken from (a copy on a GPU box may carry no .git, or a stale one). The host's CPU sets
+    the pace of host-bound steps, so figures from different hosts differ."""
+    import triton
+    commit, dirty = os.environ.get("GIT_COMMIT"), os.environ.get("GIT_DIRTY") not in (None, "0")
     try:
-        import triton
-        return triton.__version__
-    except ImportError:
-        return None
+        if commit is None:  # the checkout's HEAD, dirty where git status lists anything
+            head, status = (subprocess.check_output(["git", *command], cwd=HERE, stderr=subprocess.DEVNULL, text=True,
+                                                    timeout=10).strip()
+                            for command in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain"]))
+            commit, dirty = head, bool(status)
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+        commit, dirty = "uncommitted", False
+    try:  # Linux
+        cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE).group(1)
+    except (OSError, AttributeError):
+        cpu = platform.processor() or "unknown CPU"
+    return {"device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
+            "host": socket.gethostname(), "host_cpu": f"{cpu}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
+            "git_commit": commit, "git_dirty": dirty, "command": [sys.executable, *sys.argv],
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
