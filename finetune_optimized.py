@@ -364,49 +364,42 @@ def check_attention(config, attn_implementation):
 
 
 def load_model(args, device, dtype):
-    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given.
-
-    A built-in name (a folder of configs/: tiny, tiny-qwen3, qwen3-8b, ...) builds that architecture with random
-    weights. Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read
-    (that placement needs accelerate; without it the weights pass through CPU memory first). When they cannot be
-    loaded, a local folder's own config.json (a folder holding only that is a way to try any architecture), or else
-    the built-in config of the Hub id's name, builds the architecture with random weights. A local --model that does
-    not exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
+    """(model, "real" | "random"), never waiting on the network unless --allow-download. Real weights load straight
+    onto `device` (from_pretrained's device_map, where accelerate is installed). A built-in name, or weights that
+    cannot be loaded, give the architecture with random weights, from a local folder's own config.json or configs/.
+    A local --model that does not exist is an error: a typo, not a missing download."""
     name = args.model  # "~" already expanded by the parser
     config = builtin_config(name) if is_builtin(name) else None
-    if config is None:
-        if is_local_path(name) and not Path(name).is_dir():
-            raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
-                             f"save_pretrained; a Hub id has the form org/name)")
-        placement = {"device_map": device} if is_accelerate_available() else {}
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=not args.allow_download,
-                                                         attn_implementation=args.attn_implementation, **placement)
-            check_attention(model.config, args.attn_implementation)
-            return model.to(device), "real"
-        except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
-            raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
-        except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            if args.strict_weights:
-                raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
-            local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
-            config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
-            if config is None:
-                raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
-                                 f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
-            where = "" if args.allow_download else " offline"
-            print(f"weights for {name} not available{where} ({reason}): "
-                  f"using the same architecture with RANDOM weights")
-    check_attention(config, args.attn_implementation)
-    # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
     try:
+        if config is None:
+            if is_local_path(name) and not Path(name).is_dir():
+                raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
+                                 f"save_pretrained; a Hub id has the form org/name)")
+            placement = {"device_map": device} if is_accelerate_available() else {}
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    name, dtype=dtype, attn_implementation=args.attn_implementation,
+                    local_files_only=not args.allow_download, **placement)
+                check_attention(model.config, args.attn_implementation)
+                return model.to(device), "real"
+            except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                if args.strict_weights:
+                    raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
+                local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
+                config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
+                if config is None:
+                    raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
+                                     f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
+                print(f"weights for {name} not available{'' if args.allow_download else ' offline'} ({reason}): "
+                      f"using the same architecture with RANDOM weights")
+        check_attention(config, args.attn_implementation)
+        # Built on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
-    except ImportError as err:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                    attn_implementation=args.attn_implementation), "random"
+    except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
         raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
-    return model, "random"
-
 
 
 # ----------------------------------------------------------------------------------------------------------------------
