@@ -410,16 +410,14 @@ DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parqu
 
 
 def data_error(source, what):
-    """The one line a bad --data or --eval-data ends the run with (exit code 1), before anything is trained."""
+    """The one line a bad --data or --eval-data ends the run with, before anything is trained."""
     return SystemExit(f"error: data {source}: {what}")
 
 
 def data_rows(args, source):
-    """The rows of a data set (dicts holding the --text-field column), the way datasets users keep them: a folder
-    written by save_to_disk (of a DatasetDict, its "train" split or its only one); a local .txt/.json/.jsonl/.parquet/
-    .csv file, streamed so a big file is read only as far as the run needs (a .txt file is one document); another local
-    folder (the builder is picked from its files); else a Hub data set, from the local cache unless --allow-download.
-    Without the datasets package only a .txt file can be read (as one document, the row the text builder makes)."""
+    """The rows (dicts holding the --text-field column) of a save_to_disk folder (a DatasetDict's "train" split or its
+    only one), a local data file (streamed: read only as far as the run needs; a .txt file is one document), a folder
+    of data files, or a Hub data set (from the cache unless --allow-download). Without datasets: .txt files only."""
     path = Path(source).expanduser()
     if not args.allow_download:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is imported
@@ -433,16 +431,15 @@ def data_rows(args, source):
                                  "it only a .txt file can be used")
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line instead
-    if path.is_dir():
-        if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-            return datasets.load_dataset(str(path), split="train", streaming=True)
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():  # written by save_to_disk
         rows = datasets.load_from_disk(str(path))
         if isinstance(rows, datasets.DatasetDict):
-            splits = list(rows)
-            if "train" not in splits and len(splits) != 1:
-                raise data_error(source, f"a DatasetDict with the splits {splits} and none called train")
-            rows = rows["train" if "train" in splits else splits[0]]
+            if "train" not in rows and len(rows) != 1:
+                raise data_error(source, f"a DatasetDict with the splits {list(rows)} and none called train")
+            rows = rows["train"] if "train" in rows else next(iter(rows.values()))
         return rows
+    if path.is_dir():  # a folder of data files: datasets picks the builder from them
+        return datasets.load_dataset(str(path), split="train", streaming=True)
     if path.is_file():
         builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
@@ -469,9 +466,8 @@ def load_tokenizer(args):
 
 
 def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
-    """Token ids of a data set as one 1-D tensor: the --text-field of each row, tokenized, rows joined by EOS; rows
-    with no text are skipped. A data set that cannot be read, has no such field, is not UTF-8 or holds no text ends the
-    run with one error line."""
+    """The --text-field of each row tokenized, rows joined by EOS and empty ones skipped, as one 1-D tensor. Data that
+    cannot be read, lacks the field, is not UTF-8 or holds no text ends the run with one error line."""
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode("utf-8")))
     ids = []
     try:
@@ -497,10 +493,9 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
         if isinstance(err, StopIteration):  # datasets' json builder on an empty file
             raise data_error(source, "contains no text") from None
         reason = next((str(e).strip().splitlines()[0] for e in causes if str(e).strip()), type(err).__name__)
-        if is_local_path(source):
-            raise data_error(source, f"cannot be read: {reason}") from None
-        where = "" if args.allow_download else " offline (not in the local cache; --allow-download fetches it)"
-        raise data_error(source, f"cannot be loaded{where}: {reason}") from None
+        offline = "" if args.allow_download else " offline (not in the local cache; --allow-download fetches it)"
+        raise data_error(source, f"cannot be read: {reason}" if is_local_path(source)
+                         else f"cannot be loaded{offline}: {reason}") from None
     if not ids:
         raise data_error(source, "contains no text" + (f" in field {args.text_field!r}" if args.text_field != "text"
                                                        else ""))
@@ -508,10 +503,10 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
 
 
 def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, world_size=1):
-    """[n_batches, batch, seq_len] token ids of `split`: "train" (--steps x --grad-accum-steps micro-batches of --data)
-    or "eval" (--eval-batches of --eval-data, or of the held-out end of --data with --eval-split). The same arguments
-    give the same batches in every run, which is what lets --resume continue the data where the checkpoint left it.
-    --fsdp: the run draws GLOBAL batches of world_size x batch_size rows and rank r trains rows r::world_size."""
+    """[n_batches, batch, seq_len] token ids of "train" (--steps x --grad-accum-steps micro-batches of --data) or "eval"
+    (--eval-batches of --eval-data, or of the end of --data with --eval-split). The same arguments give the same
+    batches, which lets --resume continue the data where the checkpoint left it. --fsdp: the run draws global batches
+    of world_size x batch_size rows and rank r trains rows r::world_size."""
     n_batches = args.steps * args.grad_accum_steps if split == "train" else args.eval_batches
     rows = world_size * args.batch_size
     tokens_needed = n_batches * rows * args.seq_len
