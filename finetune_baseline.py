@@ -63,6 +63,8 @@ from tqdm import tqdm
 # enums the deprecated way. Neither concerns these runs: those two loggers show errors only.
 for noisy_logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(noisy_logger).setLevel(logging.ERROR)
+# torch.distributed.checkpoint warns that without a process group it assumes one process: the intended use here.
+warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
 
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
@@ -170,7 +172,7 @@ def parse_args(argv=None):
         parser.error("--eval-split takes a fraction between 0 and 1 of --data (not synthetic), not with --eval-data")
     if (args.save_steps or args.resume) and not args.output_dir:
         parser.error("--save-steps and --resume need --output-dir")
-    if args.resume and not list(checkpoints(args.output_dir)):
+    if args.resume and not checkpoints(args.output_dir):
         parser.error(f"--resume: no complete checkpoint in {args.output_dir} (nothing to resume; drop --resume to "
                      f"start a new run there)")
     if args.attn_implementation == "flex_attention" and not HAS_CUDA:
@@ -544,9 +546,7 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
     try:
-        with warnings.catch_warnings():  # one process without a process group is the intended use here
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
         if rank == 0:
             rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
             torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": rng,
@@ -572,9 +572,7 @@ def resume(args, model, optimizers, schedulers, world_size):
                          f"{world_size}; resume with the same number of processes")
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)  # the tensors to load into
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
     except (Exception, CheckpointException) as err:  # DCP's own type, a BaseException, carries a shape mismatch
         raise SystemExit(f"error: --resume: {folder} (written for {state['model']}) does not fit this model: "
                          f"{str(err).strip().splitlines()[-1][:300]}") from None
