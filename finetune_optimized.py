@@ -754,15 +754,14 @@ def write_results(result, out_path, rank):
 # Longest trainable sequence: one step per length, after a warm-up step has created the optimizer state
 
 def seq_len_search(args, train_step, phase, vocab, device):
-    """One training step at batch 1 x L for each L of --seq-len-search, reported as "trained", "out of memory" (with
-    the part of the step that ran out and the peak it reached) or "non-finite loss"; the first length that does not
-    train ends the search (longer ones are "not tried")."""
+    """One training step at batch 1 x L for each L of --seq-len-search: "trained", "out of memory" (in which part of the
+    step, at which peak) or "non-finite loss"; the first length that does not train ends the search."""
     generator = torch.Generator().manual_seed(args.seed)
     warmup_len = args.warmup_seq_len or min(2048, args.seq_len_search[0])
     print(f"seq-len search (batch 1, synthetic tokens, one step per length after a warm-up step of {warmup_len} "
           f"tokens): {args.seq_len_search}")
     train_step(torch.randint(0, vocab, (1, 1, warmup_len), generator=generator).to(device))
-    rows, longest = [], None
+    rows = []
     for seq_len in args.seq_len_search:
         if rows and rows[-1]["status"] != "trained":
             rows.append({"seq_len": seq_len, "status": "not tried"})
@@ -780,22 +779,21 @@ def seq_len_search(args, train_step, phase, vocab, device):
             out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
         step_s = time.perf_counter() - t0
         row = {"seq_len": seq_len, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None}
+        peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
         if out_of_memory:
             row.update(status="out of memory", phase=phase["now"])
+            print(f"seq_len {seq_len:>7}: out of memory in the {phase['now']} (peak {peak})")
             phase["now"] = "idle"
             gc.collect()
-            if HAS_CUDA:
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # a no-op without CUDA
         elif not math.isfinite(loss):
             row.update(status="non-finite loss", loss=loss)
+            print(f"seq_len {seq_len:>7}: non-finite loss")
         else:
-            longest = seq_len
             row.update(status="trained", loss=loss, step_ms=1e3 * step_s, tokens_per_s=seq_len / step_s)
+            print(f"seq_len {seq_len:>7}: trained, {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s, peak {peak}")
         rows.append(row)
-        peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
-        detail = {"trained": f"trained, {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s, peak {peak}",
-                  "out of memory": f"out of memory in the {row.get('phase')} (peak {peak})"}
-        print(f"seq_len {seq_len:>7}: {detail.get(row['status'], row['status'])}")
+    longest = max((row["seq_len"] for row in rows if row["status"] == "trained"), default=None)
     print(f"longest batch-1 sequence that trained: {longest}")
     return {"seq_len_search": {"lengths": args.seq_len_search, "warmup_seq_len": warmup_len, "results": rows,
                                "longest_trained": longest}}
