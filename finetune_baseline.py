@@ -707,7 +707,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
         if batches["eval"] is not None and (step % (args.eval_steps or args.steps) == 0 or step == args.steps):
             eval_loss, eval_accuracy = evaluate(model_with_loss, batches["eval"], world_size)
             evals.append({"step": step, "loss": eval_loss, "token_accuracy": eval_accuracy})
-            scalars.update({"eval/loss": eval_loss, **({"eval/token_accuracy": eval_accuracy} if eval_accuracy else {})})
+            scalars.update({"eval/loss": eval_loss} | ({"eval/token_accuracy": eval_accuracy} if eval_accuracy else {}))
         if scalars:
             progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
             for name, value in scalars.items() if writer else ():
@@ -718,19 +718,19 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     if writer:
         writer.close()
 
-    losses = torch.stack([loss for loss, _, _ in records]).tolist()
-    accuracies = None if not records or records[0][1] is None else torch.stack([r[1] for r in records]).tolist()
-    grad_norms = None if not records or records[0][2] is None else torch.stack([r[2] for r in records]).tolist()
+    # per figure, its value at every step (None where the step gives none, e.g. the norm without clipping)
+    losses, accuracies, grad_norms = [None if column[0] is None else torch.stack(column).tolist()
+                                      for column in zip(*records)]
     tokens_per_s = tokens_per_step * len(step_times) / sum(step_times) if step_times else None
+    avg_step_ms = 1e3 * sum(step_times) / len(step_times) if step_times else None
     peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
-    peak_bytes_per_rank = [peak_bytes]
+    peak_bytes_per_rank = [peak_bytes] * world_size
     if args.fsdp:  # each rank holds its own shards, activations and optimizer state: report every rank's peak
-        peak_bytes_per_rank = [None] * world_size
         dist.all_gather_object(peak_bytes_per_rank, peak_bytes)
     print(f"---- summary: {variant} {args.model} {args.batch_size}x{args.seq_len} {args.optimizer} ----")
     print(f"steps           : {start_step + 1}..{args.steps}, {len(step_times)} timed after {warmup_steps} warm-up")
-    print("tokens/s        : " + (f"{tokens_per_s:,.0f} ({1e3 * sum(step_times) / len(step_times):.1f} ms/step)"
-                                   if tokens_per_s else "n/a (no timed step)")
+    print("tokens/s        : " + (f"{tokens_per_s:,.0f} ({avg_step_ms:.1f} ms/step)" if tokens_per_s
+                                   else "n/a (no timed step)")
           + (f" over {world_size} ranks" if args.fsdp else ""))
     print("peak GPU memory : " + (", ".join(f"{b / 2**30:.2f} GiB" for b in peak_bytes_per_rank) if HAS_CUDA
                                    else "n/a (CPU)"))
@@ -741,7 +741,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
               f"{checkpoint['step']}, {len(saved)} written)")
     return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
-            "avg_step_ms": 1e3 * sum(step_times) / len(step_times) if step_times else None,
+            "avg_step_ms": avg_step_ms,
             "peak_memory_gib": peak_bytes / 2**30 if HAS_CUDA else None, "peak_memory_bytes": peak_bytes,
             "peak_memory_gib_per_rank": [b / 2**30 if b is not None else None for b in peak_bytes_per_rank],
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
