@@ -512,7 +512,7 @@ def evaluate(model_with_loss, batches, world_size):
     model_with_loss.train()
     means = [torch.stack([r[i].float() for r in results]).mean() if results[0][i] is not None else None for i in (0, 1)]
     if world_size > 1:
-        for mean in filter(None, means):
+        for mean in (mean for mean in means if mean is not None):  # not filter(None): an accuracy of 0 is falsy
             dist.all_reduce(mean.div_(world_size))
     return [None if mean is None else mean.item() for mean in means]
 
