@@ -467,6 +467,16 @@ def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, wor
     return batches[:, rank::world_size].contiguous().to(device)
 
 
+def load_data(args, config, device, rank, world_size):
+    """The tokenizer (None: synthetic data, or UTF-8 bytes as ids) and {"train": batches, "eval": batches or None}."""
+    tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
+    eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
+    wants_eval = args.eval_data or args.eval_split or args.eval_steps
+    return tokenizer, {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank, world_size)
+                       if split == "train" or wants_eval else None for split in ("train", "eval")}
+
+
 def shift_labels_of(labels):
     """What transformers' ForCausalLMLoss does: position t predicts token t+1, the last position predicts nothing.
     Shifting the labels (instead of slicing the logits) keeps the [B, T, V] logits whole: no copy of them."""
@@ -475,6 +485,23 @@ def shift_labels_of(labels):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Loss: THE part the kernels change (compare with finetune_optimized.py)
+
+def apply_liger(model):
+    """What transformers' Trainer(use_liger_kernel=True) calls: Liger-Kernel's patch for the model's family (RoPE,
+    RMSNorm, the gated MLP, the fused linear cross-entropy with the family's softcap). Returns how many modules it
+    patched: Liger patches the instances' forward and _get_name() (the class stays), 65 + 32 for 8B."""
+    if not HAS_CUDA:
+        raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as err:
+        raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
+    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {model.config.model_type} models")
+    _apply_liger_kernel_to_instance(model=model)
+    return sum(module._get_name().startswith("Liger") for module in model.modules())
+
 
 def compute_loss(model, input_ids, shift_labels, loss_impl):
     """(loss, token accuracy): the fraction of non-ignored positions whose most likely token is the label, or None
@@ -777,22 +804,8 @@ def fine_tune(argv=None):
     # --- what this script changes about the model: nothing, or the peer's kernels ------------------------------------
     replaced, variant, loss_impl = {}, "compile" if args.compile else "baseline", "eager"
     if args.liger:
-        if not HAS_CUDA:
-            raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
-        try:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-        except ImportError as err:
-            raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
-        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-            raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {model.config.model_type} models")
-        # What transformers' Trainer(use_liger_kernel=True) calls: Liger's patch for the model's family (RoPE, RMSNorm,
-        # the gated MLP, the fused linear cross-entropy with the family's softcap).
-        _apply_liger_kernel_to_instance(model=model)
-        # Liger patches the module instances' forward and their _get_name() (the class stays): 65 + 32 for 8B.
-        replaced["liger_modules"] = sum(m._get_name().startswith("Liger") for m in model.modules())
+        replaced["liger_modules"], variant, loss_impl = apply_liger(model), "liger", "liger"
         info["liger_kernel"] = importlib.metadata.version("liger-kernel")  # the package has no __version__
-        variant, loss_impl = "liger", "liger"
     if args.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -843,7 +856,7 @@ def fine_tune(argv=None):
     print(f"model: {args.model} ({weights} weights), {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"vocab {config.vocab_size}, {str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
     print(f"{Path(__file__).name}: variant {variant}, optimizer {args.optimizer}, lr {args.lr} ({args.lr_scheduler}), "
-          f"data {args.data}, checkpointing {args.activation_checkpointing}" + (f", replaced {replaced}" * bool(replaced))
+          f"data {args.data}, checkpointing {args.activation_checkpointing}" + f", replaced {replaced}" * bool(replaced)
           + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
     if args.compile:
         print(f"torch.compile: backend {COMPILE_BACKEND}, mode {args.compile_mode}"
@@ -856,12 +869,7 @@ def fine_tune(argv=None):
     if args.seq_len_search:
         result.update(seq_len_search(args, train_step, phase, config.vocab_size, device))
     else:
-        tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
-        wants_eval = args.eval_data or args.eval_split or args.eval_steps
-        eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
-        eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
-        batches = {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank, world_size)
-                   if split == "train" or wants_eval else None for split in ("train", "eval")}
+        tokenizer, batches = load_data(args, config, device, rank, world_size)
         start_step = resume(args, model, optimizers, schedulers, world_size) if args.resume else 0
         result.update(train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant,
                             rank, world_size))

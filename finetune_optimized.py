@@ -536,6 +536,16 @@ def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, wor
     return batches[:, rank::world_size].contiguous().to(device)
 
 
+def load_data(args, config, device, rank, world_size):
+    """The tokenizer (None: synthetic data, or UTF-8 bytes as ids) and {"train": batches, "eval": batches or None}."""
+    tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
+    eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
+    wants_eval = args.eval_data or args.eval_split or args.eval_steps
+    return tokenizer, {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank, world_size)
+                       if split == "train" or wants_eval else None for split in ("train", "eval")}
+
+
 def shift_labels_of(labels):
     """What transformers' ForCausalLMLoss does: position t predicts token t+1, the last position predicts nothing.
     Shifting the labels (instead of slicing the logits) keeps the [B, T, V] logits whole: no copy of them."""
@@ -1024,13 +1034,7 @@ def fine_tune(args, tried=(), write=True):
             step_loss = step_loss + loss.detach() / len(micro_batches)
             step_accuracy = None if accuracy is None else step_accuracy + accuracy / len(micro_batches)
         phase["now"] = "optimizer step"
-        if clip_in_backward is not None:  # the parameters have stepped already, clipped by the previous step's norm
-            grad_norm = clip_in_backward.end_step()
-        elif args.max_grad_norm and args.optimizer == "adamw_fused" and not args.fsdp:
-            grad_norm = clip_in_fused_step(model, optimizers, args.max_grad_norm)
-        else:
-            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                         if args.max_grad_norm else None)
+        grad_norm = clip_gradients(args, model, optimizers, clip_in_backward)
         for optimizer, scheduler in zip(optimizers, schedulers):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1071,13 +1075,7 @@ def fine_tune(args, tried=(), write=True):
             if row["status"] == "out of memory" and args.memory_plan == "auto":  # main tries the next plan
                 raise torch.OutOfMemoryError(f"in the {row['phase']}, at a peak of {row['peak_gib']:.1f} GiB")
         else:
-            tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
-            wants_eval = args.eval_data or args.eval_split or args.eval_steps
-            eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
-            eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
-            batches = {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank,
-                                           world_size) if split == "train" or wants_eval else None
-                       for split in ("train", "eval")}
+            tokenizer, batches = load_data(args, config, device, rank, world_size)
             start_step = resume(args, model, optimizers, schedulers, world_size) if args.resume else 0
             step_function = capture_step(train_step) if use_cuda_graph else train_step
             result.update(train(args, step_function, model_with_loss, optimizers, schedulers, batches, start_step,
@@ -1356,6 +1354,17 @@ class ClipInBackward:
         norm, self.squared_norm = self.squared_norm.sqrt(), None
         self.factor = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)  # the factor torch's clip_grad_norm_ uses
         return norm
+
+
+def clip_gradients(args, model, optimizers, clip_in_backward):
+    """The step's gradient norm (None without --max-grad-norm), clipped the cheapest way the step allows: with the
+    optimizer in the backward by the previous step's norm (ClipInBackward), else inside the fused AdamW step, else
+    (foreach AdamW, FSDP2's sharded gradients) by torch's clip_grad_norm_."""
+    if clip_in_backward is not None:  # the parameters have stepped already, clipped by the previous step's norm
+        return clip_in_backward.end_step()
+    if args.max_grad_norm and args.optimizer == "adamw_fused" and not args.fsdp:
+        return clip_in_fused_step(model, optimizers, args.max_grad_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -334,8 +334,9 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 # The stock parts both scripts keep as parallel text, so that `diff finetune_baseline.py finetune_optimized.py` shows
 # only what is ours (our machinery exists once, in finetune_optimized.py).
 SHARED = ["run_info", "builtin_config", "is_builtin", "check_attention", "is_local_path", "load_model", "data_error",
-          "data_rows", "load_tokenizer", "load_token_stream", "make_batches", "shift_labels_of", "default_out_path",
-          "evaluate", "checkpoints", "resume", "save_final", "write_results", "seq_len_search", "sync"]
+          "data_rows", "load_tokenizer", "load_token_stream", "make_batches", "load_data", "shift_labels_of",
+          "default_out_path", "evaluate", "checkpoints", "resume", "save_final", "write_results", "seq_len_search",
+          "sync"]
 
 
 def test_stock_parts_are_parallel_text():
