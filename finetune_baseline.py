@@ -1,34 +1,18 @@
 """Full fine-tuning of LLaMA-3.1-8B with stock PyTorch + transformers: the BASELINE.
 
-The playbook's step 11, first half, written as a user of the stock tools writes it: one loop, read top to bottom
-(nanoGPT's train.py style): load the model and the data, then --steps optimizer steps of forward -> loss -> backward
--> gradient clipping -> AdamW -> learning-rate schedule, with a progress line, held-out evaluation, checkpoints you can
-resume from (written with torch.distributed.checkpoint's save), the fine-tuned model saved with save_pretrained, and a
-summary (step time, tokens/s, peak GPU memory) plus a JSON file. Its options are the stock ones: fused or foreach
-AdamW, transformers' gradient checkpointing, torch.compile, Liger-Kernel (--liger, the peer to beat), FSDP2, local
-data sets, TensorBoard.
-
-finetune_optimized.py is this script plus what is ours (the fused kernels, the memory plan and its levers, CUDA-graph
-replay, checkpoints written in the background): `diff finetune_baseline.py finetune_optimized.py` shows exactly that
-and nothing else.
+The playbook's step 11, first half, as a user of the stock tools writes it: one loop read top to bottom (nanoGPT's
+train.py style) of forward -> loss -> backward -> gradient clipping -> AdamW -> learning-rate schedule, with held-out
+evaluation, checkpoints to resume from, the model saved with save_pretrained, and a summary (tokens/s, peak GPU memory)
+plus a JSON file. Its options are the stock ones: fused or foreach AdamW, transformers' gradient checkpointing,
+torch.compile, Liger-Kernel (--liger, the peer to beat), FSDP2, local data sets, TensorBoard. finetune_optimized.py is
+this script plus what is ours: `diff finetune_baseline.py finetune_optimized.py` shows exactly that. README.md tells
+which models and data it takes (without cached weights: the same architecture with RANDOM weights, said so).
 
     python finetune_baseline.py                                 # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full
-    python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05
-    python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 --resume
+    python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
-
-Model: Llama (the default, Llama-3.1-8B), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text) or Phi-3, with real
-weights when they can be loaded offline (a Hub id in the local cache or a local folder written by save_pretrained;
-loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights (said so in every
-output), from the folder's config.json or configs/ (--model qwen3-8b, gemma-2-9b, ...); without a GPU a tiny LLaMA
-(tiny-<family> for the others). Data: random tokens like the playbook, or --data: a folder written by save_to_disk, a
-local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the --text-field column of its rows is tokenized
-and packed into --seq-len windows.
-
---fsdp shards the model over several processes started by either launcher:
-    torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp
-    accelerate launch --multi_gpu --num_processes 2 finetune_baseline.py --fsdp
+    torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp  # or accelerate launch --multi_gpu ...
 """
 import argparse
 import datetime
@@ -95,12 +79,10 @@ def build_parser():
         help='Hub id or local folder (save_pretrained, or just a config.json); a name in configs/ (tiny, '
              'tiny-<family>, qwen3-8b, gemma-2-9b, ...) builds that architecture with random weights')
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
-        help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, softmax, matmul; "
-             "flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
+    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="transformers' attention "
+        "(flash_attention_2/3 need the flash-attn package, flex_attention a GPU)")
     add("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
-    add("--strict-weights", action="store_true",
-        help="fail instead of falling back to random weights when the weights cannot be loaded")
+    add("--strict-weights", action="store_true", help="fail where the weights cannot be loaded (no random weights)")
     # -- training --------------------------------------------------------------------------------------------------
     add("--steps", type=int, default=20, help="optimizer steps; the first one (two with --compile-mode "
         "reduce-overhead) is a warm-up left out of the timing")
@@ -108,8 +90,7 @@ def build_parser():
     add("--seq-len", type=int, default=512 if HAS_CUDA else 32,
         help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
     add("--grad-accum-steps", type=int, default=1, help="micro-batches whose gradients are summed per optimizer step")
-    add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused",
-        help="torch AdamW: one fused kernel, or multi-tensor (foreach)")
+    add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused", help="torch AdamW's kernels")
     add("--lr", type=float, default=1e-5, help="peak AdamW learning rate")
     add("--lr-scheduler", choices=list(LR_SCHEDULERS), default="constant",
         help="the rate after --warmup-steps of linear warm-up: held (constant), or decayed to 0 at --steps")
@@ -131,27 +112,22 @@ def build_parser():
     add("--output-dir", default=None, help="where the fine-tuned model (DIR/final, save_pretrained), the checkpoints "
         "(DIR/checkpoint-<step>) and the results JSON go")
     add("--save-steps", type=int, default=None, help="write a checkpoint every N steps (needs --output-dir)")
-    add("--save-total-limit", type=int, default=1, help="checkpoints kept; older ones are deleted after a new one "
-        "is complete")
+    add("--save-total-limit", type=int, default=1, help="checkpoints kept (the oldest deleted once a new one is whole)")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
-    add("--tensorboard", default=None, metavar="DIR", help="write loss, learning rate, tokens/s and held-out loss "
-        "as TensorBoard scalars to DIR")
+    add("--tensorboard", default=None, metavar="DIR", help="loss, lr, tokens/s, held-out loss as TensorBoard scalars")
     add("--out", default=None, help="JSON results path (default: DIR/results.json with --output-dir, else a file in "
         "runs/ named after the run's options)")
     add("--log-interval", type=int, default=1, help="update the progress line every N steps")
     # -- measurements ----------------------------------------------------------------------------------------------
-    add("--seq-len-search", default=None, metavar="L1,L2,...",
-        help="instead of training: after a short warm-up step that creates the optimizer state, one step per length "
-             "at batch 1, reported as trained / out of memory (in which part of the step) / not tried")
+    add("--seq-len-search", default=None, metavar="L1,L2,...", help="instead of training: one step per length at "
+        "batch 1 after a warm-up step (it creates the optimizer state): trained / out of memory (where) / not tried")
     add("--warmup-seq-len", type=int, default=None,
         help="with --seq-len-search: tokens of the warm-up step (default: the first length, at most 2048)")
-    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or "
-        "accelerate launch; --batch-size is per rank")
+    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or accelerate")
     add("--compile", action="store_true", help="torch.compile the model with its loss (on the first step)")
     add("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile's mode")
     # -- baseline only: the peer a user would try -------------------------------------------------------------------
-    add("--liger", action="store_true", help="Liger-Kernel's patch for the model's family, as transformers' Trainer "
-        "applies it (use_liger_kernel); not with --compile")
+    add("--liger", action="store_true", help="Liger-Kernel's patch for the model's family (Trainer's use_liger_kernel)")
     return parser
 
 
@@ -244,8 +220,8 @@ UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights", "o
 
 def default_out_path(args, weights, dtype, variant, world_size):
     """DIR/results.json with --output-dir; otherwise runs/<script>_<model>-<weights>_<variant>_<data>_<optimizer>_
-    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that changes the run is in the name when it
-    differs from its default, so runs on other data, shapes or settings never overwrite each other's JSON."""
+    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that differs from its default is in the
+    name, so runs on other data, shapes or settings never overwrite each other's JSON."""
     if args.output_dir:
         return Path(args.output_dir) / "results.json"
     defaults = vars(build_parser().parse_args([]))
@@ -557,9 +533,9 @@ def checkpoints(output_dir):
 def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size):
     """Writes DIR/checkpoint-<step>, the stock way: model and optimizer state through torch.distributed.checkpoint
     (every rank writes its own shards; training waits), plus the schedule, the step (which is also the data position:
-    the batches are a function of the arguments) and the RNG states. Everything goes to DIR/.partial-checkpoint-<step>,
-    renamed checkpoint-<step> when complete; only then are the checkpoints beyond --save-total-limit deleted, so a
-    run killed at any moment leaves the last complete checkpoint whole. Returns what the results report of it."""
+    the batches are a function of the arguments) and the RNG states. All of it goes to .partial-checkpoint-<step>,
+    renamed when complete; only then are the checkpoints beyond --save-total-limit deleted: a run killed at any moment
+    leaves the last complete checkpoint whole."""
     out, t0 = Path(args.output_dir), time.perf_counter()
     partial, final = out / f".partial-checkpoint-{step}", out / f"checkpoint-{step}"
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
@@ -698,7 +674,6 @@ def init_distributed(args):
 def sync():
     if HAS_CUDA:
         torch.cuda.synchronize()
-
 
 
 def train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant, rank, world_size):

@@ -20,24 +20,14 @@ The playbook's step 11, second half: finetune_baseline.py (the stock reference) 
      checkpoint reuses (the baseline writes them the stock way, waiting for the disk);
   6. --fp8 rowwise|tensorwise: every Linear of the decoder layers trains in float8 (torchao's recipes, a GPU of compute
      capability 8.9+), each layer compiled so the casts fuse; the lm_head stays in the fused loss (float8_training.py).
-Everything else -- model, data, loop, resume, evaluation, JSON -- is the baseline's, line for line.
+Everything else -- model, data, loop, resume, evaluation, JSON -- is the baseline's, line for line. README.md tells
+which models and data it takes (without cached weights: the same architecture with RANDOM weights, said so).
 
     python finetune_optimized.py                                # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_optimized.py --seq-len 8192                 # the plan picks what fits the GPU
-    python finetune_optimized.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05
+    python finetune_optimized.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
     python finetune_optimized.py --seq-len-search 65536,131072,262144   # longest batch-1 sequence, a plan per length
-
-Model: Llama (the default, Llama-3.1-8B), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text) or Phi-3, with real
-weights when they can be loaded offline (a Hub id in the local cache or a local folder written by save_pretrained;
-loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights (said so in every
-output), from the folder's config.json or configs/ (--model qwen3-8b, gemma-2-9b, ...); without a GPU a tiny LLaMA
-(tiny-<family> for the others). Data: random tokens like the playbook, or --data: a folder written by save_to_disk, a
-local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the --text-field column of its rows is tokenized
-and packed into --seq-len windows.
-
---fsdp shards the model over several processes started by either launcher:
-    torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp
-    accelerate launch --multi_gpu --num_processes 2 finetune_optimized.py --fsdp
+    torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp  # or accelerate launch --multi_gpu ...
 """
 import argparse
 import dataclasses
@@ -124,12 +114,10 @@ def build_parser():
         help='Hub id or local folder (save_pretrained, or just a config.json); a name in configs/ (tiny, '
              'tiny-<family>, qwen3-8b, gemma-2-9b, ...) builds that architecture with random weights')
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
-        help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, softmax, matmul; "
-             "flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
+    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="transformers' attention "
+        "(flash_attention_2/3 need the flash-attn package, flex_attention a GPU)")
     add("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
-    add("--strict-weights", action="store_true",
-        help="fail instead of falling back to random weights when the weights cannot be loaded")
+    add("--strict-weights", action="store_true", help="fail where the weights cannot be loaded (no random weights)")
     # -- training --------------------------------------------------------------------------------------------------
     add("--steps", type=int, default=20, help="optimizer steps; the first one (two with --compile-mode "
         "reduce-overhead) is a warm-up left out of the timing")
@@ -137,8 +125,7 @@ def build_parser():
     add("--seq-len", type=int, default=512 if HAS_CUDA else 32,
         help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
     add("--grad-accum-steps", type=int, default=1, help="micro-batches whose gradients are summed per optimizer step")
-    add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused",
-        help="torch AdamW: one fused kernel, or multi-tensor (foreach)")
+    add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused", help="torch AdamW's kernels")
     add("--lr", type=float, default=1e-5, help="peak AdamW learning rate")
     add("--lr-scheduler", choices=list(LR_SCHEDULERS), default="constant",
         help="the rate after --warmup-steps of linear warm-up: held (constant), or decayed to 0 at --steps")
@@ -162,22 +149,18 @@ def build_parser():
     add("--output-dir", default=None, help="where the fine-tuned model (DIR/final, save_pretrained), the checkpoints "
         "(DIR/checkpoint-<step>) and the results JSON go")
     add("--save-steps", type=int, default=None, help="write a checkpoint every N steps (needs --output-dir)")
-    add("--save-total-limit", type=int, default=1, help="checkpoints kept; older ones are deleted after a new one "
-        "is complete")
+    add("--save-total-limit", type=int, default=1, help="checkpoints kept (the oldest deleted once a new one is whole)")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
-    add("--tensorboard", default=None, metavar="DIR", help="write loss, learning rate, tokens/s and held-out loss "
-        "as TensorBoard scalars to DIR")
+    add("--tensorboard", default=None, metavar="DIR", help="loss, lr, tokens/s, held-out loss as TensorBoard scalars")
     add("--out", default=None, help="JSON results path (default: DIR/results.json with --output-dir, else a file in "
         "runs/ named after the run's options)")
     add("--log-interval", type=int, default=1, help="update the progress line every N steps")
     # -- measurements ----------------------------------------------------------------------------------------------
-    add("--seq-len-search", default=None, metavar="L1,L2,...",
-        help="instead of training: after a short warm-up step that creates the optimizer state, one step per length "
-             "at batch 1, reported as trained / out of memory (in which part of the step) / not tried")
+    add("--seq-len-search", default=None, metavar="L1,L2,...", help="instead of training: one step per length at "
+        "batch 1 after a warm-up step (it creates the optimizer state): trained / out of memory (where) / not tried")
     add("--warmup-seq-len", type=int, default=None,
         help="with --seq-len-search: tokens of the warm-up step (default: the first length, at most 2048)")
-    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or "
-        "accelerate launch; --batch-size is per rank")
+    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or accelerate")
     add("--compile", action="store_true", help="torch.compile the model with its loss (on the first step)")
     add("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile's mode")
     # -- optimized only: the kernels --------------------------------------------------------------------------------
@@ -313,8 +296,8 @@ UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights", "o
 
 def default_out_path(args, weights, dtype, variant, world_size):
     """DIR/results.json with --output-dir; otherwise runs/<script>_<model>-<weights>_<variant>_<data>_<optimizer>_
-    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that changes the run is in the name when it
-    differs from its default, so runs on other data, shapes or settings never overwrite each other's JSON."""
+    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that differs from its default is in the
+    name, so runs on other data, shapes or settings never overwrite each other's JSON."""
     if args.output_dir:
         return Path(args.output_dir) / "results.json"
     defaults = vars(build_parser().parse_args([]))
