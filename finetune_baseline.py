@@ -668,6 +668,8 @@ def init_distributed(args):
     if HAS_CUDA:
         torch.cuda.set_device(device)  # the current device of synchronize(), max_memory_allocated(), NCCL
     dist.init_process_group("nccl" if HAS_CUDA else "gloo", device_id=torch.device(device) if HAS_CUDA else None)
+    if dist.get_rank() != 0:  # every rank runs this same script: rank 0's copy of the output is enough
+        sys.stdout = open(os.devnull, "w")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -766,8 +768,6 @@ def main(argv=None):
 def fine_tune(argv=None):
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args)
-    if rank != 0:  # every rank runs this same script: rank 0's copy of the output is enough
-        sys.stdout = open(os.devnull, "w")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
     info = run_info()
     torch.manual_seed(args.seed)  # the same on every rank: identical random weights before FSDP shards them

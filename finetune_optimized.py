@@ -803,6 +803,8 @@ def init_distributed(args):
     # gloo beside NCCL: the checkpoints' background writes coordinate the ranks on the host
     dist.init_process_group("cpu:gloo,cuda:nccl" if HAS_CUDA else "gloo",
                             device_id=torch.device(device) if HAS_CUDA else None)
+    if dist.get_rank() != 0:  # every rank runs this same script: rank 0's copy of the output is enough
+        sys.stdout = open(os.devnull, "w")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -963,8 +965,6 @@ def fine_tune_with_fallback(args, write=True):
 
 def fine_tune(args, tried=(), write=True):
     rank, world_size, device = init_distributed(args)
-    if rank != 0:  # every rank runs this same script: rank 0's copy of the output is enough
-        sys.stdout = open(os.devnull, "w")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
     info = run_info()
     torch.manual_seed(args.seed)  # the same on every rank: identical random weights before FSDP shards them
@@ -981,13 +981,7 @@ def fine_tune(args, tried=(), write=True):
     # --- memory: the fastest plan that fits (--memory-plan auto) or the flags as given, and its levers ---------------
     plan = plan_memory(args, model, model_with_loss, device, tried)
     offloader = apply_levers(model, plan)
-    if args.fp8 and not args.compile:  # the float8 casts fuse only when compiled; --compile compiles the whole step
-        compile_decoder_layers(model, COMPILE_BACKEND)
-    use_cuda_graph = args.cuda_graph and HAS_CUDA
-    if args.cuda_graph and not HAS_CUDA:
-        print("no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly")
-    if (use_cuda_graph or args.compile) and args.attn_implementation == "sdpa":
-        causal_sdpa_without_mask(model)
+    use_cuda_graph = prepare_compiled_step(args, model)
 
     if args.fsdp:
         # FSDP2: each decoder layer is one unit that all-gathers its parameters just before its forward (and again for
@@ -2072,6 +2066,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # CUDA graph: the whole step replayed as one launch
+
+def prepare_compiled_step(args, model):
+    """What a compiled or captured step needs, once the levers are in place; returns whether the step is replayed as a
+    CUDA graph (--cuda-graph with a GPU)."""
+    if args.fp8 and not args.compile:  # the float8 casts fuse only when compiled; --compile compiles the whole step
+        compile_decoder_layers(model, COMPILE_BACKEND)
+    use_cuda_graph = args.cuda_graph and HAS_CUDA
+    if args.cuda_graph and not HAS_CUDA:
+        print("no CUDA device: --cuda-graph has no graph to capture, the steps run eagerly")
+    if (use_cuda_graph or args.compile) and args.attn_implementation == "sdpa":
+        causal_sdpa_without_mask(model)
+    return use_cuda_graph
+
 
 def causal_sdpa_without_mask(model):
     """--cuda-graph and --compile with SDPA: keep the causal mask a flag, not a tensor, in a captured or compiled step.
