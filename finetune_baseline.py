@@ -47,8 +47,6 @@ from tqdm import tqdm
 # enums the deprecated way. Neither concerns these runs: those two loggers show errors only.
 for noisy_logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(noisy_logger).setLevel(logging.ERROR)
-# torch.distributed.checkpoint warns that without a process group it assumes one process: the intended use here.
-warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
 
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
@@ -549,7 +547,9 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a run killed while writing this step left
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+        with warnings.catch_warnings():  # one process without a process group is the intended use here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
         if rank == 0:
             rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
             torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": rng,
@@ -575,7 +575,9 @@ def resume(args, model, optimizers, schedulers, world_size):
                          f"{world_size}; resume with the same number of processes")
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)  # the tensors to load into
     try:
-        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
     except (Exception, CheckpointException) as err:  # DCP's own type, a BaseException, carries a shape mismatch
         raise SystemExit(f"error: --resume: {folder} (written for {state['model']}) does not fit this model: "
                          f"{str(err).strip().splitlines()[-1][:300]}") from None
