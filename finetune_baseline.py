@@ -1,34 +1,18 @@
 """Full fine-tuning of LLaMA-3.1-8B with stock PyTorch + transformers: the BASELINE.
 
-The playbook's step 11, first half, written as a user of the stock tools writes it: one loop, read top to bottom
-(nanoGPT's train.py style): load the model and the data, then --steps optimizer steps of forward -> loss -> backward
--> gradient clipping -> AdamW -> learning-rate schedule, with a progress line, held-out evaluation, checkpoints you can
-resume from (written with torch.distributed.checkpoint's save), the fine-tuned model saved with save_pretrained, and a
-summary (step time, tokens/s, peak GPU memory) plus a JSON file. Its options are the stock ones: fused or foreach
-AdamW, transformers' gradient checkpointing, torch.compile, Liger-Kernel (--liger, the peer to beat), FSDP2, local
-data sets, TensorBoard.
-
-finetune_optimized.py is this script plus what is ours (the fused kernels, the memory plan and its levers, CUDA-graph
-replay, checkpoints written in the background): `diff finetune_baseline.py finetune_optimized.py` shows exactly that
-and nothing else.
+The playbook's step 11, first half, as a user of the stock tools writes it: one loop read top to bottom (nanoGPT's
+train.py style) of forward -> loss -> backward -> gradient clipping -> AdamW -> learning-rate schedule, with held-out
+evaluation, checkpoints to resume from, the model saved with save_pretrained, and a summary (tokens/s, peak GPU memory)
+plus a JSON file. Its options are the stock ones: fused or foreach AdamW, transformers' gradient checkpointing,
+torch.compile, Liger-Kernel (--liger, the peer to beat), FSDP2, local data sets, TensorBoard. finetune_optimized.py is
+this script plus what is ours: `diff finetune_baseline.py finetune_optimized.py` shows exactly that. README.md tells
+which models and data it takes (without cached weights: the same architecture with RANDOM weights, said so).
 
     python finetune_baseline.py                                 # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full
-    python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05
-    python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 --resume
+    python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
-
-Model: Llama (the default, Llama-3.1-8B), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text) or Phi-3, with real
-weights when they can be loaded offline (a Hub id in the local cache or a local folder written by save_pretrained;
-loaded straight onto the GPU with device_map), otherwise the same architecture with RANDOM weights (said so in every
-output), from the folder's config.json or configs/ (--model qwen3-8b, gemma-2-9b, ...); without a GPU a tiny LLaMA
-(tiny-<family> for the others). Data: random tokens like the playbook, or --data: a folder written by save_to_disk, a
-local .txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name; the --text-field column of its rows is tokenized
-and packed into --seq-len windows.
-
---fsdp shards the model over several processes started by either launcher:
-    torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp
-    accelerate launch --multi_gpu --num_processes 2 finetune_baseline.py --fsdp
+    torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp  # or accelerate launch --multi_gpu ...
 """
 import argparse
 import datetime
@@ -93,12 +77,10 @@ def build_parser():
         help='Hub id or local folder (save_pretrained, or just a config.json); a name in configs/ (tiny, '
              'tiny-<family>, qwen3-8b, gemma-2-9b, ...) builds that architecture with random weights')
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
-        help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, softmax, matmul; "
-             "flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
+    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="transformers' attention "
+        "(flash_attention_2/3 need the flash-attn package, flex_attention a GPU)")
     add("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
-    add("--strict-weights", action="store_true",
-        help="fail instead of falling back to random weights when the weights cannot be loaded")
+    add("--strict-weights", action="store_true", help="fail where the weights cannot be loaded (no random weights)")
     # -- training --------------------------------------------------------------------------------------------------
     add("--steps", type=int, default=20, help="optimizer steps; the first one (two with --compile-mode "
         "reduce-overhead) is a warm-up left out of the timing")
@@ -106,8 +88,7 @@ def build_parser():
     add("--seq-len", type=int, default=512 if HAS_CUDA else 32,
         help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
     add("--grad-accum-steps", type=int, default=1, help="micro-batches whose gradients are summed per optimizer step")
-    add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused",
-        help="torch AdamW: one fused kernel, or multi-tensor (foreach)")
+    add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused", help="torch AdamW's kernels")
     add("--lr", type=float, default=1e-5, help="peak AdamW learning rate")
     add("--lr-scheduler", choices=list(LR_SCHEDULERS), default="constant",
         help="the rate after --warmup-steps of linear warm-up: held (constant), or decayed to 0 at --steps")
@@ -129,27 +110,22 @@ def build_parser():
     add("--output-dir", default=None, help="where the fine-tuned model (DIR/final, save_pretrained), the checkpoints "
         "(DIR/checkpoint-<step>) and the results JSON go")
     add("--save-steps", type=int, default=None, help="write a checkpoint every N steps (needs --output-dir)")
-    add("--save-total-limit", type=int, default=1, help="checkpoints kept; older ones are deleted after a new one "
-        "is complete")
+    add("--save-total-limit", type=int, default=1, help="checkpoints kept (the oldest deleted once a new one is whole)")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
-    add("--tensorboard", default=None, metavar="DIR", help="write loss, learning rate, tokens/s and held-out loss "
-        "as TensorBoard scalars to DIR")
+    add("--tensorboard", default=None, metavar="DIR", help="loss, lr, tokens/s, held-out loss as TensorBoard scalars")
     add("--out", default=None, help="JSON results path (default: DIR/results.json with --output-dir, else a file in "
         "runs/ named after the run's options)")
     add("--log-interval", type=int, default=1, help="update the progress line every N steps")
     # -- measurements ----------------------------------------------------------------------------------------------
-    add("--seq-len-search", default=None, metavar="L1,L2,...",
-        help="instead of training: after a short warm-up step that creates the optimizer state, one step per length "
-             "at batch 1, reported as trained / out of memory (in which part of the step) / not tried")
+    add("--seq-len-search", default=None, metavar="L1,L2,...", help="instead of training: one step per length at "
+        "batch 1 after a warm-up step (it creates the optimizer state): trained / out of memory (where) / not tried")
     add("--warmup-seq-len", type=int, default=None,
         help="with --seq-len-search: tokens of the warm-up step (default: the first length, at most 2048)")
-    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or "
-        "accelerate launch; --batch-size is per rank")
+    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or accelerate")
     add("--compile", action="store_true", help="torch.compile the model with its loss (on the first step)")
     add("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile's mode")
     # -- baseline only: the peer a user would try -------------------------------------------------------------------
-    add("--liger", action="store_true", help="Liger-Kernel's patch for the model's family, as transformers' Trainer "
-        "applies it (use_liger_kernel); not with --compile")
+    add("--liger", action="store_true", help="Liger-Kernel's patch for the model's family (Trainer's use_liger_kernel)")
     return parser
 
 
@@ -170,7 +146,7 @@ def parse_args(argv=None):
         parser.error("--eval-split takes a fraction between 0 and 1 of --data (not synthetic), not with --eval-data")
     if (args.save_steps or args.resume) and not args.output_dir:
         parser.error("--save-steps and --resume need --output-dir")
-    if args.resume and not list(checkpoints(args.output_dir)):
+    if args.resume and not checkpoints(args.output_dir):
         parser.error(f"--resume: no complete checkpoint in {args.output_dir} (nothing to resume; drop --resume to "
                      f"start a new run there)")
     if args.attn_implementation == "flex_attention" and not HAS_CUDA:
@@ -205,42 +181,28 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Run information: what ran, where, with which versions (goes into the header and the JSON)
-
-def git_info():
-    """(short commit, dirty?) of the checkout. The GIT_COMMIT and GIT_DIRTY environment variables, when set, say
-    which commit a copied tree was taken from and take precedence: a copy on a GPU box may carry no .git, or a stale
-    one."""
-    if "GIT_COMMIT" in os.environ:
-        return os.environ["GIT_COMMIT"], os.environ.get("GIT_DIRTY") not in (None, "0")
-
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        if head.returncode == 0:
-            return head.stdout.strip(), bool(git("status", "--porcelain").stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "uncommitted", False
-
-
-def host_cpu():
-    """The host's CPU model and core count (Linux: /proc/cpuinfo): it sets the pace of host-bound steps, so figures
-    from different hosts differ."""
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
-
+# What ran, where, with which versions (the header and the JSON); the name of the JSON
 
 def run_info():
+    """What ran, where, with which versions. The GIT_COMMIT and GIT_DIRTY environment variables, when set, name the
+    commit a copied tree was taken from (a copy on a GPU box may carry no .git, or a stale one). The host's CPU sets
+    the pace of host-bound steps, so figures from different hosts differ."""
     import triton
-    commit, dirty = git_info()
+    commit, dirty = os.environ.get("GIT_COMMIT"), os.environ.get("GIT_DIRTY") not in (None, "0")
+    try:
+        if commit is None:  # the checkout's HEAD, dirty where git status lists anything
+            head, status = (subprocess.check_output(["git", *command], cwd=HERE, stderr=subprocess.DEVNULL, text=True,
+                                                    timeout=10).strip()
+                            for command in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain"]))
+            commit, dirty = head, bool(status)
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+        commit, dirty = "uncommitted", False
+    try:  # Linux
+        cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE).group(1)
+    except (OSError, AttributeError):
+        cpu = platform.processor() or "unknown CPU"
     return {"device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
-            "host": socket.gethostname(), "host_cpu": host_cpu(), "torch": torch.__version__,
+            "host": socket.gethostname(), "host_cpu": f"{cpu}, {os.cpu_count()} cores", "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
             "git_commit": commit, "git_dirty": dirty, "command": [sys.executable, *sys.argv],
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -256,8 +218,8 @@ UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights", "o
 
 def default_out_path(args, weights, dtype, variant, world_size):
     """DIR/results.json with --output-dir; otherwise runs/<script>_<model>-<weights>_<variant>_<data>_<optimizer>_
-    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that changes the run is in the name when it
-    differs from its default, so runs on other data, shapes or settings never overwrite each other's JSON."""
+    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that differs from its default is in the
+    name, so runs on other data, shapes or settings never overwrite each other's JSON."""
     if args.output_dir:
         return Path(args.output_dir) / "results.json"
     defaults = vars(build_parser().parse_args([]))
@@ -309,49 +271,42 @@ def check_attention(config, attn_implementation):
 
 
 def load_model(args, device, dtype):
-    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given.
-
-    A built-in name (a folder of configs/: tiny, tiny-qwen3, qwen3-8b, ...) builds that architecture with random
-    weights. Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read
-    (that placement needs accelerate; without it the weights pass through CPU memory first). When they cannot be
-    loaded, a local folder's own config.json (a folder holding only that is a way to try any architecture), or else
-    the built-in config of the Hub id's name, builds the architecture with random weights. A local --model that does
-    not exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
+    """(model, "real" | "random"), never waiting on the network unless --allow-download. Real weights load straight
+    onto `device` (from_pretrained's device_map, where accelerate is installed). A built-in name, or weights that
+    cannot be loaded, give the architecture with random weights, from a local folder's own config.json or configs/.
+    A local --model that does not exist is an error: a typo, not a missing download."""
     name = args.model  # "~" already expanded by the parser
     config = builtin_config(name) if is_builtin(name) else None
-    if config is None:
-        if is_local_path(name) and not Path(name).is_dir():
-            raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
-                             f"save_pretrained; a Hub id has the form org/name)")
-        placement = {"device_map": device} if is_accelerate_available() else {}
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=not args.allow_download,
-                                                         attn_implementation=args.attn_implementation, **placement)
-            check_attention(model.config, args.attn_implementation)
-            return model.to(device), "real"
-        except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
-            raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
-        except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            if args.strict_weights:
-                raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
-            local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
-            config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
-            if config is None:
-                raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
-                                 f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
-            where = "" if args.allow_download else " offline"
-            print(f"weights for {name} not available{where} ({reason}): "
-                  f"using the same architecture with RANDOM weights")
-    check_attention(config, args.attn_implementation)
-    # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
     try:
+        if config is None:
+            if is_local_path(name) and not Path(name).is_dir():
+                raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
+                                 f"save_pretrained; a Hub id has the form org/name)")
+            placement = {"device_map": device} if is_accelerate_available() else {}
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    name, dtype=dtype, attn_implementation=args.attn_implementation,
+                    local_files_only=not args.allow_download, **placement)
+                check_attention(model.config, args.attn_implementation)
+                return model.to(device), "real"
+            except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                if args.strict_weights:
+                    raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
+                local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
+                config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
+                if config is None:
+                    raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
+                                     f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
+                print(f"weights for {name} not available{'' if args.allow_download else ' offline'} ({reason}): "
+                      f"using the same architecture with RANDOM weights")
+        check_attention(config, args.attn_implementation)
+        # Built on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
-    except ImportError as err:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                    attn_implementation=args.attn_implementation), "random"
+    except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
         raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
-    return model, "random"
-
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -362,16 +317,14 @@ DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parqu
 
 
 def data_error(source, what):
-    """The one line a bad --data or --eval-data ends the run with (exit code 1), before anything is trained."""
+    """The one line a bad --data or --eval-data ends the run with, before anything is trained."""
     return SystemExit(f"error: data {source}: {what}")
 
 
 def data_rows(args, source):
-    """The rows of a data set (dicts holding the --text-field column), the way datasets users keep them: a folder
-    written by save_to_disk (of a DatasetDict, its "train" split or its only one); a local .txt/.json/.jsonl/.parquet/
-    .csv file, streamed so a big file is read only as far as the run needs (a .txt file is one document); another local
-    folder (the builder is picked from its files); else a Hub data set, from the local cache unless --allow-download.
-    Without the datasets package only a .txt file can be read (as one document, the row the text builder makes)."""
+    """The rows (dicts holding the --text-field column) of a save_to_disk folder (a DatasetDict's "train" split or its
+    only one), a local data file (streamed: read only as far as the run needs; a .txt file is one document), a folder
+    of data files, or a Hub data set (from the cache unless --allow-download). Without datasets: .txt files only."""
     path = Path(source).expanduser()
     if not args.allow_download:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is imported
@@ -385,16 +338,15 @@ def data_rows(args, source):
                                  "it only a .txt file can be used")
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line instead
-    if path.is_dir():
-        if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-            return datasets.load_dataset(str(path), split="train", streaming=True)
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():  # written by save_to_disk
         rows = datasets.load_from_disk(str(path))
         if isinstance(rows, datasets.DatasetDict):
-            splits = list(rows)
-            if "train" not in splits and len(splits) != 1:
-                raise data_error(source, f"a DatasetDict with the splits {splits} and none called train")
-            rows = rows["train" if "train" in splits else splits[0]]
+            if "train" not in rows and len(rows) != 1:
+                raise data_error(source, f"a DatasetDict with the splits {list(rows)} and none called train")
+            rows = rows["train"] if "train" in rows else next(iter(rows.values()))
         return rows
+    if path.is_dir():  # a folder of data files: datasets picks the builder from them
+        return datasets.load_dataset(str(path), split="train", streaming=True)
     if path.is_file():
         builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
@@ -421,9 +373,8 @@ def load_tokenizer(args):
 
 
 def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
-    """Token ids of a data set as one 1-D tensor: the --text-field of each row, tokenized, rows joined by EOS; rows
-    with no text are skipped. A data set that cannot be read, has no such field, is not UTF-8 or holds no text ends the
-    run with one error line."""
+    """The --text-field of each row tokenized, rows joined by EOS and empty ones skipped, as one 1-D tensor. Data that
+    cannot be read, lacks the field, is not UTF-8 or holds no text ends the run with one error line."""
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode("utf-8")))
     ids = []
     try:
@@ -449,10 +400,9 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
         if isinstance(err, StopIteration):  # datasets' json builder on an empty file
             raise data_error(source, "contains no text") from None
         reason = next((str(e).strip().splitlines()[0] for e in causes if str(e).strip()), type(err).__name__)
-        if is_local_path(source):
-            raise data_error(source, f"cannot be read: {reason}") from None
-        where = "" if args.allow_download else " offline (not in the local cache; --allow-download fetches it)"
-        raise data_error(source, f"cannot be loaded{where}: {reason}") from None
+        offline = "" if args.allow_download else " offline (not in the local cache; --allow-download fetches it)"
+        raise data_error(source, f"cannot be read: {reason}" if is_local_path(source)
+                         else f"cannot be loaded{offline}: {reason}") from None
     if not ids:
         raise data_error(source, "contains no text" + (f" in field {args.text_field!r}" if args.text_field != "text"
                                                        else ""))
@@ -460,10 +410,10 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
 
 
 def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, world_size=1):
-    """[n_batches, batch, seq_len] token ids of `split`: "train" (--steps x --grad-accum-steps micro-batches of --data)
-    or "eval" (--eval-batches of --eval-data, or of the held-out end of --data with --eval-split). The same arguments
-    give the same batches in every run, which is what lets --resume continue the data where the checkpoint left it.
-    --fsdp: the run draws GLOBAL batches of world_size x batch_size rows and rank r trains rows r::world_size."""
+    """[n_batches, batch, seq_len] token ids of "train" (--steps x --grad-accum-steps micro-batches of --data) or "eval"
+    (--eval-batches of --eval-data, or of the end of --data with --eval-split). The same arguments give the same
+    batches, which lets --resume continue the data where the checkpoint left it. --fsdp: the run draws global batches
+    of world_size x batch_size rows and rank r trains rows r::world_size."""
     n_batches = args.steps * args.grad_accum_steps if split == "train" else args.eval_batches
     rows = world_size * args.batch_size
     tokens_needed = n_batches * rows * args.seq_len
@@ -491,6 +441,16 @@ def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, wor
     return batches[:, rank::world_size].contiguous().to(device)
 
 
+def load_data(args, config, device, rank, world_size):
+    """The tokenizer (None: synthetic data, or UTF-8 bytes as ids) and {"train": batches, "eval": batches or None}."""
+    tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
+    eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
+    wants_eval = args.eval_data or args.eval_split or args.eval_steps
+    return tokenizer, {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank, world_size)
+                       if split == "train" or wants_eval else None for split in ("train", "eval")}
+
+
 def shift_labels_of(labels):
     """What transformers' ForCausalLMLoss does: position t predicts token t+1, the last position predicts nothing.
     Shifting the labels (instead of slicing the logits) keeps the [B, T, V] logits whole: no copy of them."""
@@ -499,6 +459,23 @@ def shift_labels_of(labels):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Loss: THE part the kernels change (compare with finetune_optimized.py)
+
+def apply_liger(model):
+    """What transformers' Trainer(use_liger_kernel=True) calls: Liger-Kernel's patch for the model's family (RoPE,
+    RMSNorm, the gated MLP, the fused linear cross-entropy with the family's softcap). Returns how many modules it
+    patched: Liger patches the instances' forward and _get_name() (the class stays), 65 + 32 for 8B."""
+    if not HAS_CUDA:
+        raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as err:
+        raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
+    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {model.config.model_type} models")
+    _apply_liger_kernel_to_instance(model=model)
+    return sum(module._get_name().startswith("Liger") for module in model.modules())
+
 
 def compute_loss(model, input_ids, shift_labels, loss_impl):
     """(loss, token accuracy): the fraction of non-ignored positions whose most likely token is the label, or None
@@ -536,7 +513,7 @@ def evaluate(model_with_loss, batches, world_size):
     model_with_loss.train()
     means = [torch.stack([r[i].float() for r in results]).mean() if results[0][i] is not None else None for i in (0, 1)]
     if world_size > 1:
-        for mean in filter(None, means):
+        for mean in (mean for mean in means if mean is not None):  # not filter(None): an accuracy of 0 is falsy
             dist.all_reduce(mean.div_(world_size))
     return [None if mean is None else mean.item() for mean in means]
 
@@ -554,9 +531,9 @@ def checkpoints(output_dir):
 def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size):
     """Writes DIR/checkpoint-<step>, the stock way: model and optimizer state through torch.distributed.checkpoint
     (every rank writes its own shards; training waits), plus the schedule, the step (which is also the data position:
-    the batches are a function of the arguments) and the RNG states. Everything goes to DIR/.partial-checkpoint-<step>,
-    renamed checkpoint-<step> when complete; only then are the checkpoints beyond --save-total-limit deleted, so a
-    run killed at any moment leaves the last complete checkpoint whole. Returns what the results report of it."""
+    the batches are a function of the arguments) and the RNG states. All of it goes to .partial-checkpoint-<step>,
+    renamed when complete; only then are the checkpoints beyond --save-total-limit deleted: a run killed at any moment
+    leaves the last complete checkpoint whole."""
     out, t0 = Path(args.output_dir), time.perf_counter()
     partial, final = out / f".partial-checkpoint-{step}", out / f"checkpoint-{step}"
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
@@ -639,15 +616,14 @@ def write_results(result, out_path, rank):
 # Longest trainable sequence: one step per length, after a warm-up step has created the optimizer state
 
 def seq_len_search(args, train_step, phase, vocab, device):
-    """One training step at batch 1 x L for each L of --seq-len-search, reported as "trained", "out of memory" (with
-    the part of the step that ran out and the peak it reached) or "non-finite loss"; the first length that does not
-    train ends the search (longer ones are "not tried")."""
+    """One training step at batch 1 x L for each L of --seq-len-search: "trained", "out of memory" (in which part of the
+    step, at which peak) or "non-finite loss"; the first length that does not train ends the search."""
     generator = torch.Generator().manual_seed(args.seed)
     warmup_len = args.warmup_seq_len or min(2048, args.seq_len_search[0])
     print(f"seq-len search (batch 1, synthetic tokens, one step per length after a warm-up step of {warmup_len} "
           f"tokens): {args.seq_len_search}")
     train_step(torch.randint(0, vocab, (1, 1, warmup_len), generator=generator).to(device))
-    rows, longest = [], None
+    rows = []
     for seq_len in args.seq_len_search:
         if rows and rows[-1]["status"] != "trained":
             rows.append({"seq_len": seq_len, "status": "not tried"})
@@ -665,22 +641,21 @@ def seq_len_search(args, train_step, phase, vocab, device):
             out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
         step_s = time.perf_counter() - t0
         row = {"seq_len": seq_len, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None}
+        peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
         if out_of_memory:
             row.update(status="out of memory", phase=phase["now"])
+            print(f"seq_len {seq_len:>7}: out of memory in the {phase['now']} (peak {peak})")
             phase["now"] = "idle"
             gc.collect()
-            if HAS_CUDA:
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # a no-op without CUDA
         elif not math.isfinite(loss):
             row.update(status="non-finite loss", loss=loss)
+            print(f"seq_len {seq_len:>7}: non-finite loss")
         else:
-            longest = seq_len
             row.update(status="trained", loss=loss, step_ms=1e3 * step_s, tokens_per_s=seq_len / step_s)
+            print(f"seq_len {seq_len:>7}: trained, {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s, peak {peak}")
         rows.append(row)
-        peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
-        detail = {"trained": f"trained, {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s, peak {peak}",
-                  "out of memory": f"out of memory in the {row.get('phase')} (peak {peak})"}
-        print(f"seq_len {seq_len:>7}: {detail.get(row['status'], row['status'])}")
+    longest = max((row["seq_len"] for row in rows if row["status"] == "trained"), default=None)
     print(f"longest batch-1 sequence that trained: {longest}")
     return {"seq_len_search": {"lengths": args.seq_len_search, "warmup_seq_len": warmup_len, "results": rows,
                                "longest_trained": longest}}
@@ -695,13 +670,14 @@ def init_distributed(args):
     if HAS_CUDA:
         torch.cuda.set_device(device)  # the current device of synchronize(), max_memory_allocated(), NCCL
     dist.init_process_group("nccl" if HAS_CUDA else "gloo", device_id=torch.device(device) if HAS_CUDA else None)
+    if dist.get_rank() != 0:  # every rank runs this same script: rank 0's copy of the output is enough
+        sys.stdout = open(os.devnull, "w")
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def sync():
     if HAS_CUDA:
         torch.cuda.synchronize()
-
 
 
 def train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant, rank, world_size):
@@ -737,7 +713,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
         if batches["eval"] is not None and (step % (args.eval_steps or args.steps) == 0 or step == args.steps):
             eval_loss, eval_accuracy = evaluate(model_with_loss, batches["eval"], world_size)
             evals.append({"step": step, "loss": eval_loss, "token_accuracy": eval_accuracy})
-            scalars.update({"eval/loss": eval_loss, **({"eval/token_accuracy": eval_accuracy} if eval_accuracy else {})})
+            scalars.update({"eval/loss": eval_loss} | ({"eval/token_accuracy": eval_accuracy} if eval_accuracy else {}))
         if scalars:
             progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
             for name, value in scalars.items() if writer else ():
@@ -748,19 +724,19 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     if writer:
         writer.close()
 
-    losses = torch.stack([loss for loss, _, _ in records]).tolist()
-    accuracies = None if not records or records[0][1] is None else torch.stack([r[1] for r in records]).tolist()
-    grad_norms = None if not records or records[0][2] is None else torch.stack([r[2] for r in records]).tolist()
+    # per figure, its value at every step (None where the step gives none, e.g. the norm without clipping)
+    losses, accuracies, grad_norms = [None if column[0] is None else torch.stack(column).tolist()
+                                      for column in zip(*records)]
     tokens_per_s = tokens_per_step * len(step_times) / sum(step_times) if step_times else None
+    avg_step_ms = 1e3 * sum(step_times) / len(step_times) if step_times else None
     peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
-    peak_bytes_per_rank = [peak_bytes]
+    peak_bytes_per_rank = [peak_bytes] * world_size
     if args.fsdp:  # each rank holds its own shards, activations and optimizer state: report every rank's peak
-        peak_bytes_per_rank = [None] * world_size
         dist.all_gather_object(peak_bytes_per_rank, peak_bytes)
     print(f"---- summary: {variant} {args.model} {args.batch_size}x{args.seq_len} {args.optimizer} ----")
     print(f"steps           : {start_step + 1}..{args.steps}, {len(step_times)} timed after {warmup_steps} warm-up")
-    print("tokens/s        : " + (f"{tokens_per_s:,.0f} ({1e3 * sum(step_times) / len(step_times):.1f} ms/step)"
-                                   if tokens_per_s else "n/a (no timed step)")
+    print("tokens/s        : " + (f"{tokens_per_s:,.0f} ({avg_step_ms:.1f} ms/step)" if tokens_per_s
+                                   else "n/a (no timed step)")
           + (f" over {world_size} ranks" if args.fsdp else ""))
     print("peak GPU memory : " + (", ".join(f"{b / 2**30:.2f} GiB" for b in peak_bytes_per_rank) if HAS_CUDA
                                    else "n/a (CPU)"))
@@ -771,7 +747,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
               f"{checkpoint['step']}, {len(saved)} written)")
     return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
-            "avg_step_ms": 1e3 * sum(step_times) / len(step_times) if step_times else None,
+            "avg_step_ms": avg_step_ms,
             "peak_memory_gib": peak_bytes / 2**30 if HAS_CUDA else None, "peak_memory_bytes": peak_bytes,
             "peak_memory_gib_per_rank": [b / 2**30 if b is not None else None for b in peak_bytes_per_rank],
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
@@ -794,8 +770,6 @@ def main(argv=None):
 def fine_tune(argv=None):
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args)
-    if rank != 0:  # every rank runs this same script: rank 0's copy of the output is enough
-        sys.stdout = open(os.devnull, "w")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
     info = run_info()
     torch.manual_seed(args.seed)  # the same on every rank: identical random weights before FSDP shards them
@@ -807,22 +781,8 @@ def fine_tune(argv=None):
     # --- what this script changes about the model: nothing, or the peer's kernels ------------------------------------
     replaced, variant, loss_impl = {}, "compile" if args.compile else "baseline", "eager"
     if args.liger:
-        if not HAS_CUDA:
-            raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
-        try:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-        except ImportError as err:
-            raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
-        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-            raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {model.config.model_type} models")
-        # What transformers' Trainer(use_liger_kernel=True) calls: Liger's patch for the model's family (RoPE, RMSNorm,
-        # the gated MLP, the fused linear cross-entropy with the family's softcap).
-        _apply_liger_kernel_to_instance(model=model)
-        # Liger patches the module instances' forward and their _get_name() (the class stays): 65 + 32 for 8B.
-        replaced["liger_modules"] = sum(m._get_name().startswith("Liger") for m in model.modules())
+        replaced["liger_modules"], variant, loss_impl = apply_liger(model), "liger", "liger"
         info["liger_kernel"] = importlib.metadata.version("liger-kernel")  # the package has no __version__
-        variant, loss_impl = "liger", "liger"
     if args.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -873,7 +833,7 @@ def fine_tune(argv=None):
     print(f"model: {args.model} ({weights} weights), {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"vocab {config.vocab_size}, {str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
     print(f"{Path(__file__).name}: variant {variant}, optimizer {args.optimizer}, lr {args.lr} ({args.lr_scheduler}), "
-          f"data {args.data}, checkpointing {args.activation_checkpointing}" + (f", replaced {replaced}" * bool(replaced))
+          f"data {args.data}, checkpointing {args.activation_checkpointing}" + f", replaced {replaced}" * bool(replaced)
           + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
     if args.compile:
         print(f"torch.compile: backend {COMPILE_BACKEND}, mode {args.compile_mode}"
@@ -886,12 +846,7 @@ def fine_tune(argv=None):
     if args.seq_len_search:
         result.update(seq_len_search(args, train_step, phase, config.vocab_size, device))
     else:
-        tokenizer = load_tokenizer(args) if args.data != "synthetic" or args.eval_data or args.output_dir else None
-        wants_eval = args.eval_data or args.eval_split or args.eval_steps
-        eos_id = tokenizer.eos_token_id if tokenizer else config.eos_token_id
-        eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id  # a config may list several (chat turn ends)
-        batches = {split: make_batches(args, split, config.vocab_size, eos_id, tokenizer, device, rank, world_size)
-                   if split == "train" or wants_eval else None for split in ("train", "eval")}
+        tokenizer, batches = load_data(args, config, device, rank, world_size)
         start_step = resume(args, model, optimizers, schedulers, world_size) if args.resume else 0
         result.update(train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant,
                             rank, world_size))

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -129,60 +130,32 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Run information: what ran, where, with which versions (goes into every header and JSON)
-
-def git_info():
-    """(short commit, dirty?) of the checkout. The GIT_COMMIT and GIT_DIRTY environment variables, when set, say
-    which commit a copied tree was taken from and take precedence: a copy on a GPU box may carry no .git, or a stale
-    one."""
-    if "GIT_COMMIT" in os.environ:
-        return os.environ["GIT_COMMIT"], os.environ.get("GIT_DIRTY") not in (None, "0")
-
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True, timeout=10)
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        if head.returncode == 0:
-            return head.stdout.strip(), bool(git("status", "--porcelain").stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "uncommitted", False
-
-
-def host_cpu():
-    """The host's CPU model and core count (Linux: /proc/cpuinfo): it sets the pace of host-bound steps, so figures
-    from different hosts differ."""
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
-
+# What ran, where, with which versions (every header and JSON)
 
 def run_info():
-    commit, dirty = git_info()
-    return {
-        "device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
-        "host": socket.gethostname(),
-        "host_cpu": host_cpu(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _triton_version(),
-        "transformers": transformers.__version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "command": [sys.executable, *sys.argv],
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-
-
-def _triton_version():
+    """What ran, where, with which versions. The GIT_COMMIT and GIT_DIRTY environment variables, when set, name the
+    commit a copied tree was taken from (a copy on a GPU box may carry no .git, or a stale one). The host's CPU sets
+    the pace of host-bound steps, so figures from different hosts differ."""
+    import triton
+    commit, dirty = os.environ.get("GIT_COMMIT"), os.environ.get("GIT_DIRTY") not in (None, "0")
     try:
-        import triton
-        return triton.__version__
-    except ImportError:
-        return None
+        if commit is None:  # the checkout's HEAD, dirty where git status lists anything
+            head, status = (subprocess.check_output(["git", *command], cwd=HERE, stderr=subprocess.DEVNULL, text=True,
+                                                    timeout=10).strip()
+                            for command in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain"]))
+            commit, dirty = head, bool(status)
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+        commit, dirty = "uncommitted", False
+    try:  # Linux
+        cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE).group(1)
+    except (OSError, AttributeError):
+        cpu = platform.processor() or "unknown CPU"
+    return {"device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
+            "host": socket.gethostname(), "host_cpu": f"{cpu}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
+            "git_commit": commit, "git_dirty": dirty, "command": [sys.executable, *sys.argv],
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -223,48 +196,42 @@ def check_attention(config, attn_implementation):
 
 
 def load_model(args, device, dtype):
-    """Returns (model, "real" | "random"). Never waits on the network unless --allow-download is given.
-
-    A built-in name (a folder of configs/: tiny, tiny-qwen3, qwen3-8b, ...) builds that architecture with random
-    weights. Real weights load straight onto `device`: from_pretrained's device_map places each tensor as it is read
-    (that placement needs accelerate; without it the weights pass through CPU memory first). When they cannot be
-    loaded, a local folder's own config.json (a folder holding only that is a way to try any architecture), or else
-    the built-in config of the Hub id's name, builds the architecture with random weights. A local --model that does
-    not exist is an error, never a fall-back to random weights: it is a typo, not a missing download."""
+    """(model, "real" | "random"), never waiting on the network unless --allow-download. Real weights load straight
+    onto `device` (from_pretrained's device_map, where accelerate is installed). A built-in name, or weights that
+    cannot be loaded, give the architecture with random weights, from a local folder's own config.json or configs/.
+    A local --model that does not exist is an error: a typo, not a missing download."""
     name = args.model  # "~" already expanded by the parser
     config = builtin_config(name) if is_builtin(name) else None
-    if config is None:
-        if is_local_path(name) and not Path(name).is_dir():
-            raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
-                             f"save_pretrained; a Hub id has the form org/name)")
-        placement = {"device_map": device} if is_accelerate_available() else {}
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=not args.allow_download,
-                                                         attn_implementation=args.attn_implementation, **placement)
-            check_attention(model.config, args.attn_implementation)
-            return model.to(device), "real"
-        except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
-            raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
-        except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            if args.strict_weights:
-                raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
-            local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
-            config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
-            if config is None:
-                raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
-                                 f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
-            where = "" if args.allow_download else " offline"
-            print(f"weights for {name} not available{where} ({reason}): "
-                  f"using the same architecture with RANDOM weights")
-    check_attention(config, args.attn_implementation)
-    # Build directly on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
     try:
+        if config is None:
+            if is_local_path(name) and not Path(name).is_dir():
+                raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
+                                 f"save_pretrained; a Hub id has the form org/name)")
+            placement = {"device_map": device} if is_accelerate_available() else {}
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    name, dtype=dtype, attn_implementation=args.attn_implementation,
+                    local_files_only=not args.allow_download, **placement)
+                check_attention(model.config, args.attn_implementation)
+                return model.to(device), "real"
+            except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                if args.strict_weights:
+                    raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
+                local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
+                config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
+                if config is None:
+                    raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
+                                     f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
+                print(f"weights for {name} not available{'' if args.allow_download else ' offline'} ({reason}): "
+                      f"using the same architecture with RANDOM weights")
+        check_attention(config, args.attn_implementation)
+        # Built on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
-    except ImportError as err:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                    attn_implementation=args.attn_implementation), "random"
+    except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
         raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
-    return model, "random"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

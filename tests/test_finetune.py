@@ -333,10 +333,10 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 
 # The stock parts both scripts keep as parallel text, so that `diff finetune_baseline.py finetune_optimized.py` shows
 # only what is ours (our machinery exists once, in finetune_optimized.py).
-SHARED = ["git_info", "host_cpu", "run_info", "builtin_config", "is_builtin", "check_attention", "is_local_path",
-          "load_model", "data_error", "data_rows", "load_tokenizer", "load_token_stream", "make_batches",
-          "shift_labels_of", "default_out_path", "evaluate", "checkpoints", "resume", "save_final", "write_results",
-          "seq_len_search", "sync"]
+SHARED = ["run_info", "builtin_config", "is_builtin", "check_attention", "is_local_path", "load_model", "data_error",
+          "data_rows", "load_tokenizer", "load_token_stream", "make_batches", "load_data", "shift_labels_of",
+          "default_out_path", "evaluate", "checkpoints", "resume", "save_final", "write_results", "seq_len_search",
+          "sync"]
 
 
 def test_stock_parts_are_parallel_text():
@@ -347,7 +347,7 @@ def test_stock_parts_are_parallel_text():
                  "ATTN_IMPLEMENTATIONS", "LR_SCHEDULERS"]:
         assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
     assert finetune_baseline.ATTN_IMPLEMENTATIONS == profile_baseline.ATTN_IMPLEMENTATIONS
-    for name in ["git_info", "builtin_config", "is_builtin", "check_attention", "is_local_path", "load_model"]:
+    for name in ["run_info", "builtin_config", "is_builtin", "check_attention", "is_local_path", "load_model"]:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(profile_baseline, name)), name
 
