@@ -71,7 +71,7 @@ from tqdm import tqdm
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from cross_entropy_kernel import cross_entropy
-from float8_training import check_fp8_flags, compile_decoder_layers, convert_decoder_linears, torchao_version
+from float8_training import RECIPES, check_fp8_flags, compile_decoder_layers, convert_decoder_linears, torchao_version
 from linear_cross_entropy_kernel import linear_cross_entropy
 from rmsnorm_kernel import apply_rmsnorm
 from rope_kernel import apply_rope
@@ -171,11 +171,13 @@ def build_parser():
     for kernel, what in (("rmsnorm", "every RMSNorm"), ("swiglu", "every MLP's silu(gate) * up (GELU for Gemma)"),
                          ("rope", "the rotary embedding of q and k")):
         add(f"--{kernel}", action=argparse.BooleanOptionalAction, default=True, help=f"{what} as a fused kernel")
-    add("--fp8", choices=["rowwise", "tensorwise"], default=None,
+    add("--fp8", choices=RECIPES, default=None,
         help="float8 training (torchao, float8_training.py) of every Linear in the decoder layers, each layer "
              "compiled so the casts fuse; not the lm_head, whose matmul is inside the fused loss. rowwise: a scale "
-             "per row (more accurate); tensorwise: one per tensor (faster). Needs a GPU of compute capability 8.9+ "
-             "(H100) and --loss linear_ce")
+             "per row (more accurate); tensorwise: one per tensor (faster); rowwise_with_gw_hp: rowwise with the "
+             "weight gradient's matmul in bf16. Needs a GPU of compute capability 8.9+ (H100) and --loss linear_ce")
+    add("--fp8-keep-bf16", nargs="+", default=[], metavar="NAME",
+        help="with --fp8: decoder Linears left in bf16 in every layer, by name (e.g. k_proj v_proj)")
     # -- optimized only: memory --------------------------------------------------------------------------------------
     add("--memory-plan", choices=["auto", "manual"], default="auto",
         help="auto: before the first step, pick the fastest levers that fit the GPU (levers given by hand are kept, "
@@ -1004,7 +1006,8 @@ def fine_tune(args, tried=(), write=True):
     # --- what this script changes about the model: the fused kernels (counts checked: a no-op swap is an error) ------
     replaced, variant, loss_impl = patch_kernels(args, model), kernel_variant(args), args.loss
     if args.fp8:  # torchao's float8 Linear in every decoder layer; the lm_head's matmul stays in the fused loss
-        replaced["float8_linear"], info["torchao"] = convert_decoder_linears(model, args.fp8), torchao_version()
+        replaced["float8_linear"] = convert_decoder_linears(model, args.fp8, keep_bf16=args.fp8_keep_bf16)
+        info["torchao"] = torchao_version()
     model_with_loss = ModelWithLoss(model, loss_impl, args.lce_chunk_size)
     # --- memory: the fastest plan that fits (--memory-plan auto) or the flags as given, and its levers ---------------
     plan = plan_memory(args, model, model_with_loss, device, tried)
@@ -1132,8 +1135,8 @@ def patch_kernels(args, model):
 def kernel_variant(args):
     """The run's name in reports: its loss and the kernels it uses, e.g. rmsnorm+linear_ce+swiglu+rope."""
     kernels = [name for name in ("rmsnorm", "swiglu", "rope") if getattr(args, name)]
-    return "+".join(kernels[:1] + [args.loss] + kernels[1:] + ([f"fp8-{args.fp8}"] if args.fp8 else [])
-                    + (["compile"] if args.compile else []))
+    fp8 = [f"fp8-{args.fp8}" + "".join(f"-{name}-bf16" for name in args.fp8_keep_bf16)] if args.fp8 else []
+    return "+".join(kernels[:1] + [args.loss] + kernels[1:] + fp8 + (["compile"] if args.compile else []))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

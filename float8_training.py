@@ -77,7 +77,7 @@ from pathlib import Path
 
 import torch
 
-RECIPES = ("rowwise", "tensorwise")
+RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
 MIN_CAPABILITY = (8, 9)  # the first NVIDIA GPUs with FP8 tensor cores (Ada; Hopper is 9.0)
 # torchao 0.17+ is built against torch's stable ABI; the pinned 0.18 is built and tested for torch 2.11 and newer
 MIN_TORCH = (2, 11)
@@ -127,6 +127,8 @@ def fp8_problem(args, cuda_capability):
 
 def check_fp8_flags(parser, args):
     """--fp8's rules (parse_args calls this): a usage error before anything is loaded."""
+    if getattr(args, "fp8_keep_bf16", None) and not args.fp8:
+        parser.error("--fp8-keep-bf16 goes with --fp8")
     if args.fp8:
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         problem = fp8_problem(args, capability)
@@ -139,24 +141,37 @@ def is_decoder_linear(module, fqn):
     return isinstance(module, torch.nn.Linear) and fqn.startswith("model.layers.")
 
 
-def convert_decoder_linears(model, recipe, emulate=False):
+def convert_decoder_linears(model, recipe, emulate=False, keep_bf16=()):
     """Swaps every Linear of the decoder layers for torchao's float8 training Linear of `recipe` (the same weight
     Parameter: the optimizer, checkpoints and save_pretrained see the same model); returns how many. emulate: torchao's
-    emulation, the same casts with the matmuls in high precision (the CPU tests)."""
+    emulation, the same casts with the matmuls in high precision (the CPU tests). keep_bf16: names of Linears
+    (k_proj, v_proj, ...) left as they are in every layer, where the casts may cost more than the faster matmul saves
+    (torchao's own size filter leaves Llama-3.1-8B's k_proj and v_proj, 1024 outputs, in bf16)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    def converts(module, fqn):
+        return is_decoder_linear(module, fqn) and fqn.rsplit(".", 1)[-1] not in keep_bf16
+
     layers = model.model.layers
-    linears = [sum(isinstance(m, torch.nn.Linear) for m in layer.modules()) for layer in layers]
+    names = {fqn.rsplit(".", 1)[-1] for fqn, m in layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    unknown = sorted(set(keep_bf16) - names)
+    if unknown or names <= set(keep_bf16):
+        raise SystemExit(f"error: --fp8-keep-bf16 {' '.join(keep_bf16)}: the decoder's Linears are "
+                         f"{', '.join(sorted(names))}; name some of them, not all" + (
+                             f" ({', '.join(unknown)} is none of them)" if unknown else ""))
+    linears = [sum(converts(m, f"model.layers.{i}.{fqn}") for fqn, m in layer.named_modules())
+               for i, layer in enumerate(layers)]
     if not emulate:
         odd = next((f"{name} {tuple(m.weight.shape)}" for name, m in model.named_modules()
-                    if is_decoder_linear(m, name) and any(size % FP8_MATMUL_MULTIPLE for size in m.weight.shape)), None)
+                    if converts(m, name) and any(size % FP8_MATMUL_MULTIPLE for size in m.weight.shape)), None)
         if odd:
             raise SystemExit(f"error: --fp8: {odd}: the FP8 matmul needs sizes that are multiples of "
                              f"{FP8_MATMUL_MULTIPLE}")
     config = Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(config, emulate=True) if emulate else config
-    convert_to_float8_training(model, module_filter_fn=is_decoder_linear, config=config)
-    # A plain Linear left in a layer, or none converted, is an error, not a bf16 run under an fp8 name.
+    convert_to_float8_training(model, module_filter_fn=converts, config=config)
+    # A plain Linear left in a layer (other than those kept), or none converted, is an error, not a bf16 run under an
+    # fp8 name.
     converted = [sum(isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear for m in layer.modules())
                  for layer in layers]
     if converted != linears or not sum(converted) or type(model.lm_head) is not torch.nn.Linear:

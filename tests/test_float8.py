@@ -33,6 +33,7 @@ tiny LLaMA with our RMSNorm, SwiGLU and RoPE patched in and the loss through the
 import dataclasses
 import importlib
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -250,6 +251,35 @@ def test_the_script_refuses_fp8_in_one_line(cuda, message, monkeypatch, capsys):
 def test_variant_names_the_recipe():
     assert finetune_optimized.kernel_variant(parse()) == "rmsnorm+linear_ce+swiglu+rope+fp8-rowwise"
     assert finetune_optimized.kernel_variant(parse("--compile")) == "rmsnorm+linear_ce+swiglu+rope+fp8-rowwise+compile"
+    assert finetune_optimized.kernel_variant(parse("--fp8-keep-bf16", "k_proj", "v_proj")) == \
+        "rmsnorm+linear_ce+swiglu+rope+fp8-rowwise-k_proj-bf16-v_proj-bf16"
+
+
+@needs_torchao
+@pytest.mark.parametrize("folder", LINEARS_PER_LAYER)
+def test_linears_kept_in_bf16_stay_plain_in_every_layer(folder):
+    model = patched_model(folder)
+    keep = ("k_proj", "v_proj") if "phi3" not in folder else ("o_proj",)
+    converted = float8_training.convert_decoder_linears(model, "rowwise", emulate=True, keep_bf16=keep)
+    assert converted == (LINEARS_PER_LAYER[folder] - len(keep)) * model.config.num_hidden_layers
+    for fqn, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            assert (type(module) is torch.nn.Linear) == (fqn.rsplit(".", 1)[-1] in keep), fqn
+
+
+@needs_torchao
+@pytest.mark.parametrize("keep, message", [
+    (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "name some of them, not all"),
+    (("kv_proj",), "(kv_proj is none of them)")])
+def test_keeping_unknown_or_all_linears_is_one_line(keep, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        float8_training.convert_decoder_linears(patched_model(), "rowwise", emulate=True, keep_bf16=keep)
+
+
+def test_keep_bf16_goes_with_fp8(capsys):
+    with pytest.raises(SystemExit):
+        finetune_optimized.parse_args(["--fp8-keep-bf16", "k_proj"])
+    assert "--fp8-keep-bf16 goes with --fp8" in capsys.readouterr().err
 
 
 @needs_torchao
