@@ -18,7 +18,7 @@ The playbook's step 11, second half: finetune_baseline.py (the stock reference) 
   4. --cuda-graph: the whole step replayed as one CUDA graph, for steps the host cannot launch fast enough (1x512);
   5. checkpoints written in the background: training waits only for a copy into pinned host buffers that every
      checkpoint reuses (the baseline writes them the stock way, waiting for the disk);
-  6. --fp8 rowwise|tensorwise: every Linear of the decoder layers trains in float8 (torchao's recipes, a GPU of compute
+  6. --fp8 RECIPE: every Linear of the decoder layers trains in float8 (torchao's recipes, a GPU of compute
      capability 8.9+), each layer compiled so the casts fuse; the lm_head stays in the fused loss (float8_training.py).
 Everything else -- model, data, loop, resume, evaluation, JSON -- is the baseline's, line for line. README.md tells
 which models and data it takes (without cached weights: the same architecture with RANDOM weights, said so).

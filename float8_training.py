@@ -23,8 +23,8 @@ inductor fuses amax, scale and cast into few kernels. --fp8 therefore compiles e
 layers share one graph); with --compile the whole step is compiled already. Our kernels are custom operators: the
 compiled graph calls them as they are, and the casts and the small ops between them become generated code.
 
-Rowwise or tensorwise (torchao's two recipes)
----------------------------------------------
+Rowwise or tensorwise (torchao's recipes)
+-----------------------------------------
 - tensorwise: one scale per tensor. The cheapest cast (one amax) and cuBLAS's plain FP8 matmul: the faster recipe.
   But one outlier anywhere (LLMs have a few activation channels far larger than the rest) sets the scale for every
   value, and small values in other rows lose their bits or round to zero. Gradients use e5m2.
@@ -32,6 +32,8 @@ Rowwise or tensorwise (torchao's two recipes)
   resolution in its own row only; the scales are rounded down to powers of two (scaling is then exact) and all three
   operands use e4m3. The matmul is a row-scaled kernel (CUTLASS) and the casts do more work: the more accurate,
   somewhat slower recipe; which wins end to end is what the measurement says.
+- rowwise_with_gw_hp: rowwise, but the weight gradient's matmul (dy.T @ x, summed over all tokens, where rounding
+  errors add up most) stays in bf16: a third of the float8 gain given back for accuracy.
 
 Which layers
 ------------
@@ -42,8 +44,8 @@ cross-entropy (--loss linear_ce), which reads lm_head.weight and never calls the
 claim float8 and still run bf16. The logits also feed a softmax over the whole vocabulary, where 3 mantissa bits
 would move the loss itself: float8 pre-training recipes (torchtitan's) also leave the output projection in bf16.
 torchao's own size filter (_auto_filter_for_recipe) would also leave Llama-3.1-8B's k_proj and v_proj (1024 outputs)
-in bf16, where it measured the casts costing more than the faster matmul saves; here the whole decoder is converted,
-and a measurement can tell whether skipping those pays.
+in bf16, where it measured the casts costing more than the faster matmul saves; here the whole decoder is converted
+unless --fp8-keep-bf16 names the Linears to leave (k_proj v_proj: torchao's choice), and a measurement tells which pays.
 
 The checks, one error line each
 -------------------------------
