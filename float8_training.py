@@ -51,8 +51,8 @@ The checks, one error line each
 -------------------------------
 Before the model loads: --loss ce or eager (those call the lm_head module, the one Linear float8 leaves out: the fp8 run
 is defined with the fused linear cross-entropy); --fsdp and --cuda-graph (both refuse --compile too, and --fp8
-compiles); no GPU, or one below compute capability 8.9 (no FP8 tensor cores); torch below 2.11 (as in NGC images built on
-2.10); torchao missing, or too old for the recipe. At the swap: a decoder Linear whose sizes are not multiples of 16
+compiles); no GPU, or one below compute capability 8.9 (no FP8 tensor cores); torch below 2.11 (NGC images built
+on 2.10); torchao missing, or too old for the recipe. At the swap: a decoder Linear whose sizes are not multiples of 16
 (the FP8 matmul's requirement), and afterwards any decoder Linear left unconverted or a converted lm_head (the count
 goes into the run's "replaced" record). On the CPU, the tests run the same conversion with torchao's emulation
 (emulate=True: the same casts, the matmul in high precision).
