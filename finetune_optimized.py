@@ -631,6 +631,7 @@ class CheckpointStager(AsyncStager):
 
     def __init__(self, pinned):
         self.pinned = pinned
+        self.kind = "pinned" if pinned else "pageable"  # as the results and the summary name it
         self.buffers = StateDictStager(pin_memory=True) if pinned else None
 
     def stage(self, state_dict):
@@ -670,11 +671,11 @@ def prepare_checkpoint_staging(model, optimizers):
     return stager, time.perf_counter() - t0
 
 
-def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size, staging):
+def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size, stager):
     """Starts DIR/checkpoint-<step>: model and optimizer state through torch.distributed.checkpoint (every rank writes
     its own shards), plus the schedule, the step (which is also the data position: the batches are a function of the
     arguments) and the RNG states. Training waits only while async_save copies the state to host memory (through
-    `staging`, from prepare_checkpoint_staging); a background thread writes it to
+    `stager`, from prepare_checkpoint_staging); a background thread writes it to
     DIR/.partial-checkpoint-<step> while the next steps run. finish_checkpoint waits for that write, then renames the
     folder checkpoint-<step> and only then deletes the checkpoints beyond --save-total-limit: a run killed at any
     moment leaves the last complete checkpoint whole."""
@@ -691,11 +692,11 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size,
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
     with warnings.catch_warnings():  # one process without a process group is the intended use here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        future = dcp.async_save(state, checkpoint_id=partial, async_stager=staging[0])
+        future = dcp.async_save(state, checkpoint_id=partial, async_stager=stager)
     trainer_state = {"step": step, "world_size": world_size, "model": args.model, "rng": rng,
                      "scheduler": schedulers[0].state_dict()}
     return {"step": step, "bytes": size, "stage_s": time.perf_counter() - t0, "t0": t0, "future": future,
-            "partial": partial, "trainer_state": trainer_state, "pinned": staging[0].pinned}
+            "partial": partial, "trainer_state": trainer_state, "staging": stager.kind}
 
 
 def finish_checkpoint(args, pending, rank, world_size):
@@ -715,7 +716,7 @@ def finish_checkpoint(args, pending, rank, world_size):
     if world_size > 1:
         dist.barrier()
     return {"step": pending["step"], "bytes": pending["bytes"], "stage_s": pending["stage_s"],
-            "staging": "pinned" if pending["pinned"] else "pageable", "write_s": time.perf_counter() - pending["t0"]}
+            "staging": pending["staging"], "write_s": time.perf_counter() - pending["t0"]}
 
 
 def write_done(pending, world_size):
@@ -856,7 +857,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(args.tensorboard)
-    records, step_times, evals, saved, pending, staging = [], [], [], [], None, None
+    records, step_times, evals, saved, pending, stager, staging_s = [], [], [], [], None, None, None
     progress = tqdm(range(start_step + 1, args.steps + 1), desc=variant, unit="step", disable=rank != 0)
     for step in progress:
         if step == start_step + warmup_steps + 1 and HAS_CUDA and warmup_steps == 1:
@@ -885,19 +886,18 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
         if pending is not None and (write_done(pending, world_size) or step % args.save_steps == 0):
             saved.append(finish_checkpoint(args, pending, rank, world_size))
             pending = None
-        if args.save_steps and staging is None:
-            staging = prepare_checkpoint_staging(model_with_loss.model, optimizers)
+        if args.save_steps and stager is None:
+            stager, staging_s = prepare_checkpoint_staging(model_with_loss.model, optimizers)
             if rank == 0:
-                print(f"checkpoint staging: {'pinned' if staging[0].pinned else 'pageable'} host memory, ready in "
-                      f"{staging[1]:.1f} s")
+                print(f"checkpoint staging: {stager.kind} host memory, ready in {staging_s:.1f} s")
         if args.save_steps and step % args.save_steps == 0:
             pending = save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size,
-                                      staging)
+                                      stager)
     progress.close()
     if pending is not None:
         saved.append(finish_checkpoint(args, pending, rank, world_size))
-    if staging is not None:
-        staging[0].close()
+    if stager is not None:
+        stager.close()
     if writer:
         writer.close()
 
@@ -930,8 +930,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
             "peak_memory_gib_per_rank": [b / 2**30 if b is not None else None for b in peak_bytes_per_rank],
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
             "step_ms": [1e3 * s for s in step_times], "evals": evals, "checkpoints": saved,
-            "checkpoint_staging": None if staging is None else {"staging": "pinned" if staging[0].pinned else "pageable",
-                                                                "ready_s": staging[1]}}
+            "checkpoint_staging": None if stager is None else {"staging": stager.kind, "ready_s": staging_s}}
 
 # ----------------------------------------------------------------------------------------------------------------------
 
