@@ -161,8 +161,8 @@ def convert_decoder_linears(model, recipe, emulate=False, keep_bf16=()):
         raise SystemExit(f"error: --fp8-keep-bf16 {' '.join(keep_bf16)}: the decoder's Linears are "
                          f"{', '.join(sorted(names))}; name some of them, not all" + (
                              f" ({', '.join(unknown)} is none of them)" if unknown else ""))
-    linears = [sum(converts(m, f"model.layers.{i}.{fqn}") for fqn, m in layer.named_modules())
-               for i, layer in enumerate(layers)]
+    linears = [sum(isinstance(m, torch.nn.Linear) and fqn.rsplit(".", 1)[-1] not in keep_bf16
+                   for fqn, m in layer.named_modules()) for layer in layers]
     if not emulate:
         odd = next((f"{name} {tuple(m.weight.shape)}" for name, m in model.named_modules()
                     if converts(m, name) and any(size % FP8_MATMUL_MULTIPLE for size in m.weight.shape)), None)
