@@ -199,8 +199,9 @@ def build_parser():
              "in the backward)")
     add("--cuda-graph", action="store_true", help="capture the whole training step as one CUDA graph and replay "
         "it: one launch per step instead of one per kernel (for steps the host cannot launch fast enough: 1x512)")
-    add("--plot", nargs="+", default=None, metavar="JSON", help="instead of training: plot peak GPU memory against "
-        "sequence length from results files (ours, Liger, ...), each point labelled with its levers, into --out (.png)")
+    add("--plot", nargs="+", default=None, metavar="JSON", help="instead of training: plot peak GPU memory and "
+        "tokens/s against sequence length from results files (ours, Liger, ...), memory labelled with the levers, "
+        "into --out (.png)")
     return parser
 
 
@@ -2181,10 +2182,10 @@ def flag_summary(levers):
 
 
 def plot_memory(paths, out_path):
-    """One line per kind of run (ours, Liger, baseline...): peak GPU memory at each sequence length that a results file
-    (a fine-tune or a --seq-len-search) reports; a cross where a length ran out of memory; each point labelled with
-    its flags and the memory it kept on the host. A run without a GPU measured no peak (null): it is left out, and
-    said so."""
+    """Two panels, one line per kind of run (ours, Liger, baseline...), at each sequence length that a results file
+    (a fine-tune or a --seq-len-search) reports: peak GPU memory (a cross where a length ran out of memory; each point
+    labelled with its flags and the memory it kept on the host) and tokens per second. A run without a GPU measured
+    no peak (null): it is left out, and said so."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
@@ -2201,7 +2202,7 @@ def plot_memory(paths, out_path):
             label = "ours (fused kernels)" if writer == "finetune_optimized.py" else result["variant"]
             rows = (result["seq_len_search"]["results"] if "seq_len_search" in result else
                     [{"seq_len": result["options"]["seq_len"], "status": "trained",
-                      "peak_gib": result["peak_memory_gib"],
+                      "peak_gib": result["peak_memory_gib"], "tokens_per_s": result.get("tokens_per_s"),
                       "host_gib": (result.get("offload") or {}).get("host_bytes", 0) / 2**30}])
             for row in rows:
                 if row["status"] not in ("trained", "out of memory"):
@@ -2218,12 +2219,16 @@ def plot_memory(paths, out_path):
         print(f"left out, no peak GPU memory (run without a GPU): {', '.join(unmeasured)}")
     if not series:
         raise SystemExit("error: --plot: nothing to plot: no run in these files measured its peak GPU memory")
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, (ax, speed_ax) = plt.subplots(1, 2, figsize=(15, 5.5))
     for label, points in series.items():
         points.sort(key=lambda point: point[0]["seq_len"])
-        trained = [(row["seq_len"], row["peak_gib"]) for row, _ in points if row["status"] == "trained"]
+        trained = [row for row, _ in points if row["status"] == "trained"]
         # dotted: the points of one series may use different flags (each is labelled)
-        line, = ax.plot(*zip(*trained) if trained else ([], []), marker="o", linestyle=":", label=label)
+        line, = ax.plot([row["seq_len"] for row in trained], [row["peak_gib"] for row in trained], marker="o",
+                        linestyle=":", label=label)
+        timed = [row for row in trained if row.get("tokens_per_s")]
+        speed_ax.plot([row["seq_len"] for row in timed], [row["tokens_per_s"] for row in timed], marker="o",
+                      linestyle=":", label=label, color=line.get_color())
         for row, flags in points:
             host = f", +{row['host_gib']:.0f} GiB host" if row.get("host_gib") else ""
             if row["status"] == "out of memory":
@@ -2231,15 +2236,19 @@ def plot_memory(paths, out_path):
                 flags = f"out of memory ({row['phase']})"
             ax.annotate(f"{flags}{host}", (row["seq_len"], row["peak_gib"]), textcoords="offset points",
                         xytext=(4, 6), fontsize=7, color=line.get_color())
-    ax.set_xscale("log", base=2)
     lengths = [row["seq_len"] for points in series.values() for row, _ in points]
+    for axis in (ax, speed_ax):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("tokens per sequence (batch 1)")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
     ax.set_xlim(min(lengths) / 1.3, max(lengths) * 3.5)  # room for the labels right of the last points
-    ax.set_xlabel("tokens per sequence (batch 1)")
     ax.set_ylabel("peak GPU memory (GiB)")
-    ax.set_title("Peak GPU memory against sequence length\n(full fine-tune, batch 1; each point labelled with its "
-                 "flags)", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.set_title("Peak GPU memory (each point labelled with its levers)", fontsize=10)
+    if speed_ax.has_data():  # a search file may time no length (a CPU run, or every length out of memory)
+        speed_ax.set_yscale("log")
+    speed_ax.set_ylabel("tokens per second")
+    speed_ax.set_title("Training speed (full fine-tune, batch 1)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     print(f"plot: {out_path}")

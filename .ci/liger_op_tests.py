@@ -29,7 +29,8 @@ What the shims map (Liger's name -> ours)
   position_ids is unused there too. A rotary_dim narrower than the head is a failure (ours rotates whole heads).
 - LigerCrossEntropyFunction, liger_cross_entropy, LigerCrossEntropyLoss -> cross_entropy_kernel.cross_entropy /
   TritonCrossEntropyLoss, with Liger's contract: the gradient written over the logits (inplace_backward=True), the
-  targets range-checked (check_targets=True), the loss and z-loss returned in the logits' dtype (ours are fp32).
+  targets range-checked (check_targets=True; an out-of-range target raises Liger's AssertionError, "out of
+  bounds", carrying our message), the loss and z-loss returned in the logits' dtype (ours are fp32).
 - LigerFusedLinearCrossEntropyFunction, liger_fused_linear_cross_entropy, LigerFusedLinearCrossEntropyLoss
   (called as (lin_weight, input, target, bias)) -> linear_cross_entropy_kernel.linear_cross_entropy /
   TritonLinearCrossEntropyLoss. chunk_mem_const, Liger's chunk-size knob, does not change results and is dropped.
@@ -242,13 +243,23 @@ def _make_shims(break_results):
         loss, z_loss, accuracy, predicted = fields
         return loss.to(dtype), None if z_loss is None else z_loss.to(dtype), accuracy, predicted
 
+    def with_liger_target_error(call):
+        """Liger refuses a target outside the vocabulary with an AssertionError that says "out of bounds"; ours with a
+        ValueError naming the target and its position. The same refusal, raised as Liger's type."""
+        try:
+            return call()
+        except ValueError as err:
+            if "is outside [0," not in str(err):
+                raise
+            raise AssertionError(f"target out of bounds: {err}") from err
+
     def cross_entropy(_input, target, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                       reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False,
                       return_predicted_tokens=False):
-        out = cross_entropy_kernel.cross_entropy(
+        out = with_liger_target_error(lambda: cross_entropy_kernel.cross_entropy(
             _input, target, ignore_index, reduction, label_smoothing, inplace_backward=True, check_targets=True,
             weight=weight, lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-            return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
+            return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens))
         loss, *extras = in_logits_dtype(as_fields(out), _input.dtype)
         return (result(loss), *extras)
 
@@ -270,7 +281,8 @@ def _make_shims(break_results):
                              return_predicted_tokens=return_predicted_tokens)
 
         def forward(self, _input, target):
-            loss, *extras = in_logits_dtype(as_fields(super().forward(_input, target)), _input.dtype)
+            out = with_liger_target_error(lambda: super(LigerCrossEntropyLoss, self).forward(_input, target))
+            loss, *extras = in_logits_dtype(as_fields(out), _input.dtype)
             return as_output((result(loss), *extras),
                              self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens)
 
