@@ -2200,6 +2200,9 @@ def plot_memory(paths, out_path):
                                  + (f"written by {writer}" if writer else "it names no script")
                                  + "); --plot reads the JSON of finetune_baseline.py and finetune_optimized.py")
             label = "ours (fused kernels)" if writer == "finetune_optimized.py" else result["variant"]
+            # A search times one step per length, the first at that length (the allocator's growth and the first
+            # pinning of host buffers included); a run times its steps after the first: two series, not one line.
+            label += ", --seq-len-search (one step)" if "seq_len_search" in result else ""
             rows = (result["seq_len_search"]["results"] if "seq_len_search" in result else
                     [{"seq_len": result["options"]["seq_len"], "status": "trained",
                       "peak_gib": result["peak_memory_gib"], "tokens_per_s": result.get("tokens_per_s"),
@@ -2245,7 +2248,7 @@ def plot_memory(paths, out_path):
     ax.set_xlim(min(lengths) / 1.3, max(lengths) * 3.5)  # room for the labels right of the last points
     ax.set_ylabel("peak GPU memory (GiB)")
     ax.set_title("Peak GPU memory (each point labelled with its levers)", fontsize=10)
-    if speed_ax.has_data():  # a search file may time no length (a CPU run, or every length out of memory)
+    if any(row.get("tokens_per_s") for points in series.values() for row, _ in points):  # else nothing is timed
         speed_ax.set_yscale("log")
     speed_ax.set_ylabel("tokens per second")
     speed_ax.set_title("Training speed (full fine-tune, batch 1)", fontsize=10)
