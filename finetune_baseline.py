@@ -1,22 +1,17 @@
 """Full fine-tuning of LLaMA-3.1-8B with stock PyTorch + transformers: the BASELINE.
 
-The playbook's step 11, first half, as a user of the stock tools writes it: one loop read top to bottom (nanoGPT's
-train.py style) of forward -> loss -> backward -> gradient clipping -> AdamW -> learning-rate schedule, with held-out
-evaluation, checkpoints to resume from, the model saved with save_pretrained, and a summary (tokens/s, peak GPU memory)
-plus a JSON file. Its options are the stock ones: fused or foreach AdamW, transformers' gradient checkpointing,
-torch.compile, Liger-Kernel (--liger, the peer to beat), FSDP2, local data sets, TensorBoard. finetune_optimized.py is
-this script plus what is ours: `diff finetune_baseline.py finetune_optimized.py` shows exactly that. README.md tells
-which models and data it takes (without cached weights: the same architecture with RANDOM weights, said so).
+The playbook's step 11, first half, as a user of the stock tools writes it, one loop read top to bottom like nanoGPT's
+train.py: forward, loss, backward, clipping, AdamW, schedule; held-out evaluation, checkpoints, save_pretrained, and a
+summary plus a JSON file. finetune_optimized.py is this script plus what is ours: `diff` the two files to see it.
 
     python finetune_baseline.py                                 # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
-    python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full
+    python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full   # the peer: Liger-Kernel
     python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
     torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp  # or accelerate launch --multi_gpu ...
 """
 import argparse
 import datetime
-import gc
 import importlib.metadata
 import json
 import logging
@@ -25,7 +20,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -42,20 +36,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
-# transformers imports torchao where it is installed (requirements.txt has it for finetune_optimized.py --fp8) to
-# register its quantizer; torchao then logs that its CUDA-only extensions do not load, and torch that torchao registers
-# enums the deprecated way. Neither concerns these runs: those two loggers show errors only.
+# transformers imports torchao where it is installed (for finetune_optimized.py --fp8); torchao's notice that its CUDA
+# extensions do not load and torch's about torchao's enums concern no run here: those two loggers show errors only.
 for noisy_logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(noisy_logger).setLevel(logging.ERROR)
 
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
-from transformers.utils import is_accelerate_available
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 # The attention implementations transformers trains LLaMA with (its "paged|..." variants serve generation).
 ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 # Without a GPU, --compile uses aot_eager: it traces the step as inductor would but generates no code (inductor's C++
@@ -74,66 +65,56 @@ def build_parser():
     add = parser.add_argument
     # expanduser here, once: the weights and the tokenizer then read the same folder, also for --model=~/models/x
     add("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
-        help='Hub id or local folder (save_pretrained, or just a config.json); a name in configs/ (tiny, '
-             'tiny-<family>, qwen3-8b, gemma-2-9b, ...) builds that architecture with random weights')
+        help="Hub id or local folder; a name in configs/ (tiny, tiny-<family>, qwen3-8b, ...): random weights")
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="transformers' attention "
-        "(flash_attention_2/3 need the flash-attn package, flex_attention a GPU)")
-    add("--allow-download", action="store_true", help="let from_pretrained/load_dataset reach the Hub")
-    add("--strict-weights", action="store_true", help="fail where the weights cannot be loaded (no random weights)")
+    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="transformers' attention")
     # -- training --------------------------------------------------------------------------------------------------
-    add("--steps", type=int, default=20, help="optimizer steps; the first one (two with --compile-mode "
-        "reduce-overhead) is a warm-up left out of the timing")
+    add("--steps", type=int, default=20, help="optimizer steps; the first is a warm-up, not timed")
     add("--batch-size", type=int, default=1, help="sequences per micro-batch (per rank with --fsdp)")
-    add("--seq-len", type=int, default=512 if HAS_CUDA else 32,
-        help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
-    add("--grad-accum-steps", type=int, default=1, help="micro-batches whose gradients are summed per optimizer step")
+    add("--seq-len", type=int, default=512 if HAS_CUDA else 32, help="tokens per sequence")
+    add("--grad-accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     add("--optimizer", choices=["adamw_fused", "adamw_foreach"], default="adamw_fused", help="torch AdamW's kernels")
-    add("--lr", type=float, default=1e-5, help="peak AdamW learning rate")
-    add("--lr-scheduler", choices=list(LR_SCHEDULERS), default="constant",
-        help="the rate after --warmup-steps of linear warm-up: held (constant), or decayed to 0 at --steps")
-    add("--warmup-steps", type=int, default=0, help="learning-rate warm-up steps")
+    add("--lr", type=float, default=1e-5, help="peak learning rate")
+    add("--lr-scheduler", choices=list(LR_SCHEDULERS), default="constant", help="after the warm-up: the rate held "
+        "(constant) or decayed to 0 at the last step")
+    add("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up")
     add("--max-grad-norm", type=float, default=1.0, help="clip the gradients' global norm to this (0: no clipping)")
     add("--seed", type=int, default=0, help="seeds the random weights and the synthetic tokens")
     add("--activation-checkpointing", choices=["none", "full"], default="none",
-        help="transformers' gradient checkpointing: full = recompute every decoder layer in the backward")
+        help="full: transformers' gradient checkpointing of every decoder layer")
     # -- data and evaluation ---------------------------------------------------------------------------------------
-    add("--data", default="synthetic", help='"synthetic" (random tokens), a save_to_disk folder, a local '
-        '.txt/.json/.jsonl/.parquet/.csv file, or a Hub data set name')
-    add("--text-field", default="text", help="the column of --data (and --eval-data) that holds the text")
+    add("--data", default="synthetic", help="synthetic (random tokens), a save_to_disk folder, a .txt, .json, "
+        ".jsonl, .parquet or .csv file or a folder of them, or a Hub data set")
+    add("--text-field", default="text", help="the column of the data that holds the text")
     add("--eval-data", default=None, help="held-out data, read like --data")
-    add("--eval-split", type=float, default=None, help="instead of --eval-data: hold out this fraction of the tokens "
-        "read from --data (its end)")
-    add("--eval-steps", type=int, default=None, help="evaluate every N steps (and always after the last step)")
+    add("--eval-split", type=float, default=None, help="instead of --eval-data: hold out this fraction of --data")
+    add("--eval-steps", type=int, default=None, help="evaluate every N steps (and after the last)")
     add("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     # -- saving ----------------------------------------------------------------------------------------------------
-    add("--output-dir", default=None, help="where the fine-tuned model (DIR/final, save_pretrained), the checkpoints "
-        "(DIR/checkpoint-<step>) and the results JSON go")
-    add("--save-steps", type=int, default=None, help="write a checkpoint every N steps (needs --output-dir)")
-    add("--save-total-limit", type=int, default=1, help="checkpoints kept (the oldest deleted once a new one is whole)")
+    add("--output-dir", default=None, help="gets checkpoint-<step>/, final/ (save_pretrained) and results.json")
+    add("--save-steps", type=int, default=None, help="write a checkpoint every N steps")
+    add("--save-total-limit", type=int, default=1, help="checkpoints kept")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
-    add("--tensorboard", default=None, metavar="DIR", help="loss, lr, tokens/s, held-out loss as TensorBoard scalars")
-    add("--out", default=None, help="JSON results path (default: DIR/results.json with --output-dir, else a file in "
-        "runs/ named after the run's options)")
-    add("--log-interval", type=int, default=1, help="update the progress line every N steps")
+    add("--tensorboard", default=None, metavar="DIR", help="also log the scalars for TensorBoard here")
+    add("--out", default=None, help="results JSON (default: in --output-dir, else runs/<the run's options>.json)")
     # -- measurements ----------------------------------------------------------------------------------------------
-    add("--seq-len-search", default=None, metavar="L1,L2,...", help="instead of training: one step per length at "
-        "batch 1 after a warm-up step (it creates the optimizer state): trained / out of memory (where) / not tried")
-    add("--warmup-seq-len", type=int, default=None,
-        help="with --seq-len-search: tokens of the warm-up step (default: the first length, at most 2048)")
-    add("--fsdp", action="store_true", help="shard the model with FSDP2 over the processes of torchrun or accelerate")
-    add("--compile", action="store_true", help="torch.compile the model with its loss (on the first step)")
-    add("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile's mode")
+    add("--seq-len-search", default=None, metavar="L1,L2,...", help="instead of training: one batch-1 step per "
+        "length, after a warm-up step; the longest that trains")
+    add("--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun or accelerate launch)")
+    add("--compile", action="store_true", help="torch.compile the model with its loss")
+    add("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"], default="default",
+        help="torch.compile's mode")
     # -- baseline only: the peer a user would try -------------------------------------------------------------------
     add("--liger", action="store_true", help="Liger-Kernel's patch for the model's family (Trainer's use_liger_kernel)")
     return parser
 
 
 def parse_args(argv=None):
+    """The arguments; a bad one ends the run here with one line, before anything is loaded."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "log_interval", "grad_accum_steps", "eval_batches",
-                 "save_total_limit", "eval_steps", "save_steps"):
+    for name in ("steps", "batch_size", "seq_len", "grad_accum_steps", "eval_batches", "save_total_limit",
+                 "eval_steps", "save_steps"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
@@ -147,36 +128,25 @@ def parse_args(argv=None):
     if (args.save_steps or args.resume) and not args.output_dir:
         parser.error("--save-steps and --resume need --output-dir")
     if args.resume and not checkpoints(args.output_dir):
-        parser.error(f"--resume: no complete checkpoint in {args.output_dir} (nothing to resume; drop --resume to "
-                     f"start a new run there)")
+        parser.error(f"--resume: no complete checkpoint in {args.output_dir} (drop --resume to start a new run there)")
     if args.attn_implementation == "flex_attention" and not HAS_CUDA:
         parser.error("--attn-implementation flex_attention needs a GPU: FlexAttention has no backward on the CPU")
     if args.out and Path(args.out).is_dir():  # checked now: the results are written only at the end of the run
         parser.error(f"--out {args.out} is a directory: give the path of the file to write")
-    if args.compile_mode != "default" and not args.compile:
-        parser.error("--compile-mode goes with --compile")
-    if args.compile_mode != "default" and COMPILE_BACKEND != "inductor":
-        parser.error(f"--compile-mode needs a GPU: without one, --compile uses the {COMPILE_BACKEND} backend, which "
-                     f"has no modes")
-    if getattr(args, "liger", False) and args.compile:
+    if args.compile_mode != "default" and not (args.compile and COMPILE_BACKEND == "inductor"):
+        parser.error(f"--compile-mode goes with --compile, on a GPU (the CPU's {COMPILE_BACKEND} has no modes)")
+    if args.liger and args.compile:
         parser.error("--liger and --compile are two peers to compare against: pick one")
-    if args.warmup_seq_len is not None and (args.warmup_seq_len < 2 or not args.seq_len_search):
-        parser.error("--warmup-seq-len is the --seq-len-search warm-up's length, at least 2")
-    if args.seq_len_search:
-        try:
-            args.seq_len_search = [int(x) for x in args.seq_len_search.split(",")]
-        except ValueError:
-            parser.error("--seq-len-search takes comma-separated integers, e.g. 4096,8192,12288")
-        if args.seq_len_search != sorted(set(args.seq_len_search)) or min(args.seq_len_search) < 2:
-            parser.error("--seq-len-search lengths must be at least 2 and increasing")
-    if args.fsdp:
-        combined = [name for name in ("seq_len_search", "compile", "liger") if getattr(args, name, None)]
-        if combined:
-            parser.error(f"--fsdp cannot be combined with --{combined[0].replace('_', '-')}")
-        if "WORLD_SIZE" not in os.environ:
-            parser.error(f"--fsdp needs a distributed launcher, e.g. torchrun --standalone --nproc-per-node 2 "
-                         f"{Path(__file__).name} --fsdp or accelerate launch --multi_gpu --num_processes 2 "
-                         f"{Path(__file__).name} --fsdp (torchrun --nproc-per-node 1 for a single process)")
+    if args.seq_len_search:  # "4096,8192,...": increasing lengths; a part that is no number reads as 0, refused
+        args.seq_len_search = [int(x) if x.strip().isdigit() else 0 for x in args.seq_len_search.split(",")]
+        if args.seq_len_search != sorted(set(args.seq_len_search)) or args.seq_len_search[0] < 2:
+            parser.error("--seq-len-search lengths must be at least 2 and increasing, e.g. 4096,8192,12288")
+    if args.fsdp and "WORLD_SIZE" not in os.environ:
+        parser.error(f"--fsdp needs a distributed launcher: torchrun --standalone --nproc-per-node 2 "
+                     f"{Path(__file__).name} --fsdp, or accelerate launch --multi_gpu --num_processes 2 ...")
+    for name in ("seq_len_search", "compile", "liger"):
+        if args.fsdp and getattr(args, name, None):
+            parser.error(f"--fsdp cannot be combined with --{name.replace('_', '-')}")
     return args
 
 
@@ -184,57 +154,44 @@ def parse_args(argv=None):
 # What ran, where, with which versions (the header and the JSON); the name of the JSON
 
 def run_info():
-    """What ran, where, with which versions. The GIT_COMMIT and GIT_DIRTY environment variables, when set, name the
-    commit a copied tree was taken from (a copy on a GPU box may carry no .git, or a stale one). The host's CPU sets
-    the pace of host-bound steps, so figures from different hosts differ."""
+    """What ran, where, with which versions. GIT_COMMIT and GIT_DIRTY, where set, name the commit of a copied tree (a
+    copy on a GPU box may carry no .git); the host's CPU sets the pace of host-bound steps."""
     import triton
-    commit, dirty = os.environ.get("GIT_COMMIT"), os.environ.get("GIT_DIRTY") not in (None, "0")
-    try:
-        if commit is None:  # the checkout's HEAD, dirty where git status lists anything
-            head, status = (subprocess.check_output(["git", *command], cwd=HERE, stderr=subprocess.DEVNULL, text=True,
-                                                    timeout=10).strip()
-                            for command in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain"]))
-            commit, dirty = head, bool(status)
-    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
-        commit, dirty = "uncommitted", False
-    try:  # Linux
-        cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE).group(1)
-    except (OSError, AttributeError):
-        cpu = platform.processor() or "unknown CPU"
+    commit, dirty = os.environ.get("GIT_COMMIT"), os.environ.get("GIT_DIRTY", "0") != "0"
+    if commit is None:  # the checkout's HEAD, dirty where git status lists anything; "uncommitted": no git, no checkout
+        git = subprocess.run("git rev-parse --short HEAD && git status --porcelain", shell=True, cwd=HERE, text=True,
+                             capture_output=True)
+        commit, *status = git.stdout.splitlines() or ["uncommitted"]
+        dirty = bool(status)
+    cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text() if sys.platform == "linux" else "")
     return {"device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
-            "host": socket.gethostname(), "host_cpu": f"{cpu}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
-            "git_commit": commit, "git_dirty": dirty, "command": [sys.executable, *sys.argv],
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+            "host": platform.node(), "host_cpu": f"{cpu[1] if cpu else platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "git_commit": commit, "git_dirty": dirty,
+            "command": [sys.executable, *sys.argv], "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
-# Options the default JSON name shows in its fixed parts or through the variant (finetune_baseline.py's peers,
-# finetune_optimized.py's kernels), and options that do not change what a run measures.
-NAMED_OPTIONS = {"model", "dtype", "data", "optimizer", "batch_size", "seq_len", "seq_len_search", "fsdp",
-                 "compile", "liger", "loss", "rmsnorm", "swiglu", "rope", "fp8"}
-UNNAMED_OPTIONS = {"out", "log_interval", "allow_download", "strict_weights", "output_dir", "tensorboard", "resume"}
+# Options the default JSON name leaves out: its fixed parts and the variant show them, or they change no measurement.
+UNNAMED_OPTIONS = {"model", "dtype", "batch_size", "seq_len", "fsdp", "compile", "liger", "loss", "rmsnorm", "swiglu",
+                   "rope", "fp8", "out", "tensorboard"}
 
 
 def default_out_path(args, weights, dtype, variant, world_size):
-    """DIR/results.json with --output-dir; otherwise runs/<script>_<model>-<weights>_<variant>_<data>_<optimizer>_
-    <dtype>_<shape>[_fsdpN][_<option>=<value>...].json: every other option that differs from its default is in the
-    name, so runs on other data, shapes or settings never overwrite each other's JSON."""
+    """DIR/results.json with --output-dir; else runs/<script>_<model>-<weights>_<variant>_<dtype>_<shape>[_fsdpN] and
+    every other option that differs from its default as _<option>=<value>: runs never overwrite each other's JSON."""
     if args.output_dir:
         return Path(args.output_dir) / "results.json"
     defaults = vars(build_parser().parse_args([]))
-    shape = (f"search{'-'.join(map(str, args.seq_len_search))}" if args.seq_len_search
-             else f"{args.batch_size}x{args.seq_len}")
-    data = Path(args.data).name if is_local_path(args.data) else args.data
-    parts = [Path(__file__).stem, f"{Path(args.model).name}-{weights}", variant, data, args.optimizer, dtype, shape]
-    parts += [f"fsdp{world_size}"] if args.fsdp else []
-    parts += [f"{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-              if name not in NAMED_OPTIONS | UNNAMED_OPTIONS and value != defaults[name]]
+    parts = [Path(__file__).stem, f"{Path(args.model).name}-{weights}", variant, dtype,
+             f"{args.batch_size}x{args.seq_len}" + (f"_fsdp{world_size}" if args.fsdp else "")]
+    parts += [f"{name.replace('_', '-')}={Path(str(value)).name}" for name, value in vars(args).items()
+              if name not in UNNAMED_OPTIONS and value != defaults[name]]
     return HERE / "runs" / ("_".join(re.sub(r"[^\w.+=-]+", "-", str(part)) for part in parts) + ".json")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Model: real weights when they can be loaded offline, otherwise the same architecture with random weights
+# Model: real weights where from_pretrained can load them, otherwise the same architecture with random weights
 
 # configs/<name>/config.json: the published architecture of each supported family's common size (llama-3.1-8b,
 # mistral-7b-v0.3, qwen2.5-7b, qwen3-8b, gemma-2-9b, gemma-3-12b's text decoder, phi-3-mini-4k-instruct) and a tiny
@@ -244,69 +201,47 @@ CONFIGS = HERE / "configs"
 SOFTCAP_ATTENTION = ["eager", "flex_attention", "flash_attention_2"]
 
 
+def first_line(err):
+    """An error's message in one line: its first, or the error's type where it has no message."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 def builtin_config(name):
     """The config in configs/ named like the model (its Hub id's last part, in any case), or None."""
-    folder = CONFIGS / name.rstrip("/").split("/")[-1].lower()
+    folder = CONFIGS / Path(name).name.lower()
     return AutoConfig.from_pretrained(folder) if (folder / "config.json").is_file() else None
 
 
-def is_builtin(name):
-    """Whether --model names a built-in architecture: a bare name (no org/, nothing of that name here) of a configs/
-    folder. Such a model has random weights and no tokenizer."""
-    return "/" not in name and not Path(name).exists() and (CONFIGS / name.lower() / "config.json").is_file()
-
-
-def is_local_path(name):
-    """A Hub id is `name` or `org/name`: a name that exists here, starts with / . ~ or has 2 slashes is a local path."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
-
-
-def check_attention(config, attn_implementation):
-    """A model whose attention logits are softcapped (Gemma 2) would train a different function on an attention that
-    drops the cap: one error line instead."""
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap and attn_implementation not in SOFTCAP_ATTENTION:
-        raise SystemExit(f"error: --attn-implementation {attn_implementation} cannot apply {config.model_type}'s "
-                         f"attention logit softcapping ({softcap}); use {' or '.join(SOFTCAP_ATTENTION)}")
-
-
 def load_model(args, device, dtype):
-    """(model, "real" | "random"), never waiting on the network unless --allow-download. Real weights load straight
-    onto `device` (from_pretrained's device_map, where accelerate is installed). A built-in name, or weights that
-    cannot be loaded, give the architecture with random weights, from a local folder's own config.json or configs/.
-    A local --model that does not exist is an error: a typo, not a missing download."""
-    name = args.model  # "~" already expanded by the parser
-    config = builtin_config(name) if is_builtin(name) else None
+    """(model, "real" | "random"). from_pretrained loads the weights straight onto `device` (device_map). A bare name
+    of configs/, or weights it cannot load (not cached with HF_HUB_OFFLINE=1, a gated repo), give the architecture
+    with random weights, from the folder's own config.json or from configs/, said so."""
+    name, attention, weights = args.model, args.attn_implementation, "random"
+    config = builtin_config(name) if "/" not in name and not Path(name).exists() else None
     try:
         if config is None:
-            if is_local_path(name) and not Path(name).is_dir():
-                raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
-                                 f"save_pretrained; a Hub id has the form org/name)")
-            placement = {"device_map": device} if is_accelerate_available() else {}
             try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    name, dtype=dtype, attn_implementation=args.attn_implementation,
-                    local_files_only=not args.allow_download, **placement)
-                check_attention(model.config, args.attn_implementation)
-                return model.to(device), "real"
+                model, weights = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device,
+                                                                      attn_implementation=attention), "real"
             except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
-                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                if args.strict_weights:
-                    raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
-                local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
+                local_config = (Path(name) / "config.json").is_file()
                 config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
                 if config is None:
-                    raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
-                                     f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
-                print(f"weights for {name} not available{'' if args.allow_download else ' offline'} ({reason}): "
-                      f"using the same architecture with RANDOM weights")
-        check_attention(config, args.attn_implementation)
-        # Built on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
-        with torch.device(device):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                    attn_implementation=args.attn_implementation), "random"
+                    raise SystemExit(f"error: --model {name}: no such directory, no weights to load "
+                                     f"({first_line(err)}) and no config of that name in configs/")
+                print(f"weights for {name} not available ({first_line(err)}): the same architecture with RANDOM "
+                      f"weights")
+        if weights == "random":  # built on the device in the dtype: 8B parameters never pass through the host in fp32
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
-        raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
+        raise SystemExit(f"error: --attn-implementation {attention}: {first_line(err)}")
+    # A model whose attention logits are softcapped (Gemma 2) would train another function on an attention without it.
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    if softcap and attention not in SOFTCAP_ATTENTION:
+        raise SystemExit(f"error: --attn-implementation {attention} cannot apply {model.config.model_type}'s "
+                         f"attention logit softcapping ({softcap}); use {' or '.join(SOFTCAP_ATTENTION)}")
+    return model, weights
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -316,60 +251,34 @@ def load_model(args, device, dtype):
 DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def data_error(source, what):
-    """The one line a bad --data or --eval-data ends the run with, before anything is trained."""
-    return SystemExit(f"error: data {source}: {what}")
-
-
-def data_rows(args, source):
-    """The rows (dicts holding the --text-field column) of a save_to_disk folder (a DatasetDict's "train" split or its
-    only one), a local data file (streamed: read only as far as the run needs; a .txt file is one document), a folder
-    of data files, or a Hub data set (from the cache unless --allow-download). Without datasets: .txt files only."""
-    path = Path(source).expanduser()
-    if not args.allow_download:
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is imported
-    try:
-        import datasets
-    except ImportError:
-        if path.is_file() and path.suffix == ".txt":
-            print(f"the datasets package is not installed: reading {source} as one plain-text document")
-            return [{"text": path.read_text(encoding="utf-8")}]
-        raise data_error(source, "reading it needs the datasets package (pip install -r requirements.txt); without "
-                                 "it only a .txt file can be used")
+def data_rows(source):
+    """The rows of a save_to_disk folder (its "train" split where it has several), a local data file (streamed: read
+    only as far as the run needs; a .txt file is one document), a folder of data files, or a Hub data set."""
+    import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line instead
+    path, builder = Path(source), DATA_FILE_BUILDERS.get(Path(source).suffix.lower())
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():  # written by save_to_disk
-        rows = datasets.load_from_disk(str(path))
-        if isinstance(rows, datasets.DatasetDict):
-            if "train" not in rows and len(rows) != 1:
-                raise data_error(source, f"a DatasetDict with the splits {list(rows)} and none called train")
-            rows = rows["train"] if "train" in rows else next(iter(rows.values()))
-        return rows
-    if path.is_dir():  # a folder of data files: datasets picks the builder from them
-        return datasets.load_dataset(str(path), split="train", streaming=True)
-    if path.is_file():
-        builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise data_error(source, f"unknown file type {path.suffix or '(none)'}; data is read from "
-                                     f"{', '.join(DATA_FILE_BUILDERS)} files and save_to_disk folders")
-        options = {"sample_by": "document"} if builder == "text" else {}
-        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
-    if is_local_path(source) or path.suffix.lower() in DATA_FILE_BUILDERS:
-        raise data_error(source, "no such file or folder")
-    return datasets.load_dataset(source, split="train")
+        rows = datasets.load_from_disk(source)
+        return rows["train"] if isinstance(rows, datasets.DatasetDict) else rows
+    if path.is_file() and builder is None:
+        raise SystemExit(f"error: data {source}: unknown file type {path.suffix or '(none)'}; data is read from "
+                         f"{', '.join(DATA_FILE_BUILDERS)} files and save_to_disk folders")
+    if builder is None:  # a folder of data files (datasets picks the builder), or a Hub data set
+        return datasets.load_dataset(source, split="train", streaming=path.is_dir())
+    if not path.is_file():
+        raise SystemExit(f"error: data {source}: no such file or folder")
+    options = {"sample_by": "document"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=source, split="train", streaming=True, **options)
 
 
 def load_tokenizer(args):
-    """The model's tokenizer, or None where none is available offline (a built-in architecture, a Hub id not in the
-    cache): the UTF-8 bytes of the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
-    if is_builtin(args.model):
-        print(f"the built-in {args.model} has no tokenizer: using UTF-8 bytes as token ids")
-        return None
+    """The model's tokenizer, or None where it has none here (a built-in architecture, a Hub id not in the cache): the
+    UTF-8 bytes of the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
     try:
-        return AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
+        return AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as err:
-        print(f"no tokenizer for {args.model} ({str(err).strip().splitlines()[0]}): using UTF-8 bytes as token ids")
-        return None
+        print(f"no tokenizer for {args.model} ({first_line(err)}): using UTF-8 bytes as token ids")
 
 
 def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
@@ -378,42 +287,32 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode("utf-8")))
     ids = []
     try:
-        for index, row in enumerate(data_rows(args, source)):
+        for index, row in enumerate(data_rows(source)):
             if args.text_field not in row:
-                raise data_error(source, f"no field {args.text_field!r} (its fields: {', '.join(map(str, row))}); "
-                                         f"name the text column with --text-field")
-            text = row[args.text_field]
-            if not isinstance(text, str):
-                raise data_error(source, f"row {index}: field {args.text_field!r} holds {text!r:.40}, not text")
-            if text.strip():
-                ids += encode(text) + [eos_id]
+                raise SystemExit(f"error: data {source}: no field {args.text_field!r} (its fields: "
+                                 f"{', '.join(map(str, row))}); name the text column with --text-field")
+            if not isinstance(text := row[args.text_field], str):
+                raise SystemExit(f"error: data {source}: row {index}: field {args.text_field!r} holds {text!r:.40}, "
+                                 f"not text")
+            ids += encode(text) + [eos_id] if text.strip() else []
             if len(ids) >= tokens_needed:  # stop early: a big corpus needs only as many tokens as the run trains on
                 break
     except Exception as err:  # datasets raises many types for "not cached", "no network", "not JSON", ...
-        causes = [err]
-        while causes[-1].__cause__ or causes[-1].__context__:
-            causes.append(causes[-1].__cause__ or causes[-1].__context__)
-        bad_bytes = next((e for e in causes if isinstance(e, UnicodeDecodeError)), None)
-        if bad_bytes is not None:
-            raise data_error(source, f"not UTF-8 text (byte 0x{bad_bytes.object[bad_bytes.start]:02x}: "
-                                     f"{bad_bytes.reason}); re-encode it as UTF-8") from None
-        if isinstance(err, StopIteration):  # datasets' json builder on an empty file
-            raise data_error(source, "contains no text") from None
-        reason = next((str(e).strip().splitlines()[0] for e in causes if str(e).strip()), type(err).__name__)
-        offline = "" if args.allow_download else " offline (not in the local cache; --allow-download fetches it)"
-        raise data_error(source, f"cannot be read: {reason}" if is_local_path(source)
-                         else f"cannot be loaded{offline}: {reason}") from None
+        cause = err
+        while not isinstance(cause, UnicodeDecodeError) and (cause.__cause__ or cause.__context__):
+            cause = cause.__cause__ or cause.__context__  # a decoding error arrives wrapped in datasets' own
+        what = (f"not UTF-8 text (byte 0x{cause.object[cause.start]:02x}); re-encode it as UTF-8"
+                if isinstance(cause, UnicodeDecodeError) else f"cannot be read: {first_line(err)}")
+        raise SystemExit(f"error: data {source}: {what}") from None
     if not ids:
-        raise data_error(source, "contains no text" + (f" in field {args.text_field!r}" if args.text_field != "text"
-                                                       else ""))
+        raise SystemExit(f"error: data {source}: contains no text in field {args.text_field!r}")
     return torch.tensor(ids, dtype=torch.long)
 
 
 def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, world_size=1):
     """[n_batches, batch, seq_len] token ids of "train" (--steps x --grad-accum-steps micro-batches of --data) or "eval"
     (--eval-batches of --eval-data, or of the end of --data with --eval-split). The same arguments give the same
-    batches, which lets --resume continue the data where the checkpoint left it. --fsdp: the run draws global batches
-    of world_size x batch_size rows and rank r trains rows r::world_size."""
+    batches: --resume continues the data where the checkpoint left it. --fsdp: rank r trains rows r::world_size."""
     n_batches = args.steps * args.grad_accum_steps if split == "train" else args.eval_batches
     rows = world_size * args.batch_size
     tokens_needed = n_batches * rows * args.seq_len
@@ -424,14 +323,14 @@ def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, wor
     else:
         # --eval-split: read what training needs plus the held-out share, then hold out the end of what was read
         train_tokens = args.steps * args.grad_accum_steps * rows * args.seq_len
-        read = math.ceil(train_tokens / (1 - args.eval_split)) if args.eval_split else tokens_needed
-        stream = load_token_stream(args, source, eos_id, tokenizer, read)
+        stream = load_token_stream(args, source, eos_id, tokenizer, math.ceil(train_tokens / (1 - args.eval_split))
+                                   if args.eval_split else tokens_needed)
         if args.eval_split:
             cut = int(stream.numel() * (1 - args.eval_split))
             stream = stream[:cut] if split == "train" else stream[cut:]
         if stream.numel() < 2 or int(stream.max()) >= vocab_size:
-            raise data_error(source, f"its {split} part has {stream.numel()} tokens, or ids outside the model's "
-                                     f"vocabulary ({vocab_size})")
+            raise SystemExit(f"error: data {source}: its {split} part has {stream.numel()} tokens, or ids outside the "
+                             f"model's vocabulary ({vocab_size})")
         if stream.numel() < tokens_needed:
             print(f"{split} data has {stream.numel()} tokens, the run needs {tokens_needed}: cycling through it")
             stream = stream.repeat(-(-tokens_needed // stream.numel()))
@@ -462,19 +361,18 @@ def shift_labels_of(labels):
 
 def apply_liger(model):
     """What transformers' Trainer(use_liger_kernel=True) calls: Liger-Kernel's patch for the model's family (RoPE,
-    RMSNorm, the gated MLP, the fused linear cross-entropy with the family's softcap). Returns how many modules it
-    patched: Liger patches the instances' forward and _get_name() (the class stays), 65 + 32 for 8B."""
+    RMSNorm, the gated MLP, the fused linear cross-entropy). Returns how many modules it patched (65 + 32 for 8B)."""
     if not HAS_CUDA:
         raise SystemExit("error: --liger needs a CUDA GPU (Liger-Kernel's Triton kernels have no CPU path)")
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as err:
         raise SystemExit(f"error: --liger needs the liger-kernel package ({err}); pip install liger-kernel")
-    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {model.config.model_type} models")
     _apply_liger_kernel_to_instance(model=model)
-    return sum(module._get_name().startswith("Liger") for module in model.modules())
+    patched = sum(module._get_name().startswith("Liger") for module in model.modules())  # Liger renames what it patches
+    if not patched:
+        raise SystemExit(f"error: --liger: Liger-Kernel has no patch for {model.config.model_type} models")
+    return patched
 
 
 def compute_loss(model, input_ids, shift_labels, loss_impl):
@@ -519,21 +417,19 @@ def evaluate(model_with_loss, batches, world_size):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Checkpoints: write, keep the last --save-total-limit, resume
+# Checkpoints: write, keep the last --save-total-limit, resume; the final model
 
 def checkpoints(output_dir):
-    """The complete checkpoints in output_dir, oldest first. A checkpoint gets its name checkpoint-<step> only after
-    everything in it is written, so a run killed while writing leaves the earlier ones whole."""
+    """The complete checkpoints in output_dir, oldest first: a checkpoint takes its name once all of it is written."""
     folders = Path(output_dir).glob("checkpoint-*") if output_dir else []
     return sorted((f for f in folders if re.fullmatch(r"checkpoint-\d+", f.name)), key=lambda f: int(f.name[11:]))
 
 
 def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size):
-    """Writes DIR/checkpoint-<step>, the stock way: model and optimizer state through torch.distributed.checkpoint
-    (every rank writes its own shards; training waits), plus the schedule, the step (which is also the data position:
-    the batches are a function of the arguments) and the RNG states. All of it goes to .partial-checkpoint-<step>,
-    renamed when complete; only then are the checkpoints beyond --save-total-limit deleted: a run killed at any moment
-    leaves the last complete checkpoint whole."""
+    """Writes DIR/checkpoint-<step> the stock way, training waiting: model and optimizer state with dcp.save (every
+    rank its own shards), the schedule, the step (the data position: the batches are a function of the arguments) and
+    the RNG states, all as .partial-checkpoint-<step>, renamed when whole; only then do checkpoints beyond
+    --save-total-limit go: a run killed at any moment leaves the last complete checkpoint whole."""
     out, t0 = Path(args.output_dir), time.perf_counter()
     partial, final = out / f".partial-checkpoint-{step}", out / f"checkpoint-{step}"
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)
@@ -551,8 +447,8 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
         if rank == 0:
-            rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if HAS_CUDA else None}
-            torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": rng,
+            torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if HAS_CUDA else [],
                         "scheduler": schedulers[0].state_dict()}, partial / "trainer_state.pt")
             partial.rename(final)
             for old in checkpoints(args.output_dir)[:-args.save_total_limit]:
@@ -566,8 +462,8 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
 
 
 def resume(args, model, optimizers, schedulers, world_size):
-    """Loads the latest complete checkpoint of --output-dir into the model, the optimizer(s) and the schedule(s);
-    returns its step. The optimizer state is keyed by parameter name, so it loads whatever the number of optimizers."""
+    """Loads the latest complete checkpoint of --output-dir into the model, the optimizer(s) (keyed by parameter name,
+    whatever their number) and the schedule(s); returns its step."""
     folder = checkpoints(args.output_dir)[-1]
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
     if state["world_size"] != world_size:
@@ -575,7 +471,7 @@ def resume(args, model, optimizers, schedulers, world_size):
                          f"{world_size}; resume with the same number of processes")
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)  # the tensors to load into
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # one process without a process group is the intended use here
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
     except (Exception, CheckpointException) as err:  # DCP's own type, a BaseException, carries a shape mismatch
@@ -585,16 +481,15 @@ def resume(args, model, optimizers, schedulers, world_size):
                    options=FLAT_STATE)
     for scheduler in schedulers:
         scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if HAS_CUDA and state["rng"]["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    torch.set_rng_state(state["rng"])
+    torch.cuda.set_rng_state_all(state["cuda_rng"])  # [] without a GPU
     print(f"resumed from {folder}: step {state['step']} of {args.steps}")
     return state["step"]
 
 
 def save_final(args, model, tokenizer, rank):
-    """DIR/final: the fine-tuned model as safetensors (save_pretrained; AutoModelForCausalLM.from_pretrained loads
-    it) and its tokenizer where one was loaded. Under FSDP2 the shards are gathered to rank 0 first."""
+    """DIR/final: the model as safetensors (save_pretrained) and its tokenizer where one was loaded. Under FSDP2 the
+    shards are gathered to rank 0 first."""
     folder = Path(args.output_dir) / "final"
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=args.fsdp))
     if rank == 0:
@@ -613,48 +508,42 @@ def write_results(result, out_path, rank):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Longest trainable sequence: one step per length, after a warm-up step has created the optimizer state
+# The loop, and the longest trainable sequence
 
 def seq_len_search(args, train_step, phase, vocab, device):
-    """One training step at batch 1 x L for each L of --seq-len-search: "trained", "out of memory" (in which part of the
-    step, at which peak) or "non-finite loss"; the first length that does not train ends the search."""
+    """One training step at batch 1 x L for each L of --seq-len-search, after a warm-up step that creates the optimizer
+    state: "trained", "out of memory" (in which part of the step) or "non-finite loss"; the first length that does not
+    train ends the search, the longer ones are "not tried"."""
     generator = torch.Generator().manual_seed(args.seed)
-    warmup_len = args.warmup_seq_len or min(2048, args.seq_len_search[0])
-    print(f"seq-len search (batch 1, synthetic tokens, one step per length after a warm-up step of {warmup_len} "
-          f"tokens): {args.seq_len_search}")
+    warmup_len = min(2048, args.seq_len_search[0])
+    print(f"seq-len search (batch 1, synthetic tokens, after a warm-up step of {warmup_len}): {args.seq_len_search}")
     train_step(torch.randint(0, vocab, (1, 1, warmup_len), generator=generator).to(device))
     rows = []
     for seq_len in args.seq_len_search:
-        if rows and rows[-1]["status"] != "trained":
-            rows.append({"seq_len": seq_len, "status": "not tried"})
-            print(f"seq_len {seq_len:>7}: not tried")
-            continue
         input_ids = torch.randint(0, vocab, (1, 1, seq_len), generator=generator).to(device)
         if HAS_CUDA:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()  # hand back the previous length's cached blocks
+            torch.cuda.empty_cache()  # hand back the previous length's cached blocks: this length's own peak
             torch.cuda.reset_peak_memory_stats()
-        t0, out_of_memory = time.perf_counter(), False
+        t0, loss = time.perf_counter(), math.nan
         try:
             loss = train_step(input_ids)[0].item()  # .item(): the step has finished
         except torch.OutOfMemoryError:
-            out_of_memory = True  # leave the except block first: its traceback still references the step's tensors
+            pass  # phase["now"] names the part of the step that ran out
         step_s = time.perf_counter() - t0
-        row = {"seq_len": seq_len, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None}
-        peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
-        if out_of_memory:
+        row = {"seq_len": seq_len, "status": "trained" if math.isfinite(loss) else "non-finite loss", "loss": loss,
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None}
+        if phase["now"] != "idle":
             row.update(status="out of memory", phase=phase["now"])
-            print(f"seq_len {seq_len:>7}: out of memory in the {phase['now']} (peak {peak})")
-            phase["now"] = "idle"
-            gc.collect()
-            torch.cuda.empty_cache()  # a no-op without CUDA
-        elif not math.isfinite(loss):
-            row.update(status="non-finite loss", loss=loss)
-            print(f"seq_len {seq_len:>7}: non-finite loss")
-        else:
-            row.update(status="trained", loss=loss, step_ms=1e3 * step_s, tokens_per_s=seq_len / step_s)
-            print(f"seq_len {seq_len:>7}: trained, {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s, peak {peak}")
+        elif row["status"] == "trained":
+            row.update(step_ms=1e3 * step_s, tokens_per_s=seq_len / step_s)
         rows.append(row)
+        peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
+        print(f"seq_len {seq_len:>7}: {row['status']}" + (f" in the {phase['now']}" if "phase" in row else "")
+              + (f", {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s" if "step_ms" in row else "")
+              + f", peak {peak}")
+        if row["status"] != "trained":
+            break
+    rows += [{"seq_len": seq_len, "status": "not tried"} for seq_len in args.seq_len_search[len(rows):]]
     longest = max((row["seq_len"] for row in rows if row["status"] == "trained"), default=None)
     print(f"longest batch-1 sequence that trained: {longest}")
     return {"seq_len_search": {"lengths": args.seq_len_search, "warmup_seq_len": warmup_len, "results": rows,
@@ -675,19 +564,14 @@ def init_distributed(args):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def sync():
-    if HAS_CUDA:
-        torch.cuda.synchronize()
-
-
 def train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant, rank, world_size):
-    """Steps start_step+1 .. --steps of the training batches, then the summary. The first step(s) of the process are
-    a warm-up left out of the timing (kernels compile, cuBLAS picks algorithms, the optimizer creates its state);
-    every step after it is synchronized around a host timer. Losses stay on the GPU until a progress update reads them
-    (the step has synchronized by then, so that costs no stall)."""
+    """Steps start_step+1 .. --steps, then the summary. The first step(s) of the process are a warm-up left out of the
+    timing (kernels compile, cuBLAS picks algorithms, the optimizer creates its state); each later step is timed
+    between two synchronizations."""
     micro_batches = batches["train"].view(args.steps, args.grad_accum_steps, *batches["train"].shape[1:])
     tokens_per_step = world_size * args.grad_accum_steps * args.batch_size * args.seq_len
     warmup_steps = 2 if args.compile and args.compile_mode == "reduce-overhead" else 1  # the 2nd records its graphs
+    sync = torch.cuda.synchronize if HAS_CUDA else lambda: None
     writer = None
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -705,19 +589,16 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
         if step > start_step + warmup_steps:
             step_times.append(time.perf_counter() - t0)
         records.append((loss, accuracy, grad_norm))
-        scalars = {}
-        if step % args.log_interval == 0 or step == args.steps:
-            scalars = {"train/loss": loss.item(), "train/lr": schedulers[0].get_last_lr()[0]}
-            scalars.update({"train/grad_norm": grad_norm.item()} if grad_norm is not None else {})
-            scalars.update({"train/tokens_per_s": tokens_per_step / step_times[-1]} if step_times else {})
+        scalars = {"train/loss": loss, "train/lr": schedulers[0].get_last_lr()[0], "train/grad_norm": grad_norm,
+                   "train/tokens_per_s": tokens_per_step / step_times[-1] if step_times else None}
         if batches["eval"] is not None and (step % (args.eval_steps or args.steps) == 0 or step == args.steps):
             eval_loss, eval_accuracy = evaluate(model_with_loss, batches["eval"], world_size)
             evals.append({"step": step, "loss": eval_loss, "token_accuracy": eval_accuracy})
-            scalars.update({"eval/loss": eval_loss} | ({"eval/token_accuracy": eval_accuracy} if eval_accuracy else {}))
-        if scalars:
-            progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
-            for name, value in scalars.items() if writer else ():
-                writer.add_scalar(name, value, step)
+            scalars.update({"eval/loss": eval_loss, "eval/token_accuracy": eval_accuracy})
+        scalars = {name: float(value) for name, value in scalars.items() if value is not None}
+        progress.set_postfix({name.replace("train/", ""): f"{value:.4g}" for name, value in scalars.items()})
+        for name, value in scalars.items() if writer else ():
+            writer.add_scalar(name, value, step)
         if args.save_steps and step % args.save_steps == 0:
             saved.append(save_checkpoint(args, step, model_with_loss.model, optimizers, schedulers, rank, world_size))
     progress.close()
@@ -729,17 +610,14 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
                                       for column in zip(*records)]
     tokens_per_s = tokens_per_step * len(step_times) / sum(step_times) if step_times else None
     avg_step_ms = 1e3 * sum(step_times) / len(step_times) if step_times else None
-    peak_bytes = torch.cuda.max_memory_allocated() if HAS_CUDA else None
-    peak_bytes_per_rank = [peak_bytes] * world_size
+    peak_gib = [torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None] * world_size
     if args.fsdp:  # each rank holds its own shards, activations and optimizer state: report every rank's peak
-        dist.all_gather_object(peak_bytes_per_rank, peak_bytes)
+        dist.all_gather_object(peak_gib, peak_gib[rank])
     print(f"---- summary: {variant} {args.model} {args.batch_size}x{args.seq_len} {args.optimizer} ----")
     print(f"steps           : {start_step + 1}..{args.steps}, {len(step_times)} timed after {warmup_steps} warm-up")
     print("tokens/s        : " + (f"{tokens_per_s:,.0f} ({avg_step_ms:.1f} ms/step)" if tokens_per_s
-                                   else "n/a (no timed step)")
-          + (f" over {world_size} ranks" if args.fsdp else ""))
-    print("peak GPU memory : " + (", ".join(f"{b / 2**30:.2f} GiB" for b in peak_bytes_per_rank) if HAS_CUDA
-                                   else "n/a (CPU)"))
+                                   else "n/a (no timed step)") + (f" over {world_size} ranks" if args.fsdp else ""))
+    print("peak GPU memory : " + (", ".join(f"{gib:.2f} GiB" for gib in peak_gib) if HAS_CUDA else "n/a (CPU)"))
     print(f"loss            : {losses[0]:.4f} (step {start_step + 1}) -> {losses[-1]:.4f} (step {args.steps})"
           + (f" | held-out {evals[-1]['loss']:.4f}" if evals else ""))
     for checkpoint in saved[-1:]:
@@ -747,9 +625,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
               f"{checkpoint['step']}, {len(saved)} written)")
     return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
-            "avg_step_ms": avg_step_ms,
-            "peak_memory_gib": peak_bytes / 2**30 if HAS_CUDA else None, "peak_memory_bytes": peak_bytes,
-            "peak_memory_gib_per_rank": [b / 2**30 if b is not None else None for b in peak_bytes_per_rank],
+            "avg_step_ms": avg_step_ms, "peak_memory_gib": peak_gib[0], "peak_memory_gib_per_rank": peak_gib,
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
             "step_ms": [1e3 * s for s in step_times], "evals": evals, "checkpoints": saved}
 

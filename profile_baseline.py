@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,15 +52,13 @@ from rmsnorm_kernel import apply_rmsnorm
 from rope_kernel import apply_rope
 from swiglu_kernel import apply_glu_mlp
 
-# transformers imports torchao where it is installed (requirements.txt has it for finetune_optimized.py --fp8) to
-# register its quantizer; torchao then logs that its CUDA-only extensions do not load, and torch that torchao registers
-# enums the deprecated way. Neither concerns these runs: those two loggers show errors only.
+# transformers imports torchao where it is installed (for finetune_optimized.py --fp8); torchao's notice that its CUDA
+# extensions do not load and torch's about torchao's enums concern no run here: those two loggers show errors only.
 for noisy_logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(noisy_logger).setLevel(logging.ERROR)
 
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.utils import is_accelerate_available
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
@@ -83,9 +80,6 @@ def parse_args(argv=None):
     parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
                         help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, "
                              "softmax, matmul; flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
-    parser.add_argument("--allow-download", action="store_true", help="let from_pretrained reach the Hub")
-    parser.add_argument("--strict-weights", action="store_true",
-                        help="fail instead of falling back to random weights when the weights cannot be loaded")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=512 if HAS_CUDA else 32,
                         help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
@@ -133,33 +127,26 @@ def parse_args(argv=None):
 # What ran, where, with which versions (every header and JSON)
 
 def run_info():
-    """What ran, where, with which versions. The GIT_COMMIT and GIT_DIRTY environment variables, when set, name the
-    commit a copied tree was taken from (a copy on a GPU box may carry no .git, or a stale one). The host's CPU sets
-    the pace of host-bound steps, so figures from different hosts differ."""
+    """What ran, where, with which versions. GIT_COMMIT and GIT_DIRTY, where set, name the commit of a copied tree (a
+    copy on a GPU box may carry no .git); the host's CPU sets the pace of host-bound steps."""
     import triton
-    commit, dirty = os.environ.get("GIT_COMMIT"), os.environ.get("GIT_DIRTY") not in (None, "0")
-    try:
-        if commit is None:  # the checkout's HEAD, dirty where git status lists anything
-            head, status = (subprocess.check_output(["git", *command], cwd=HERE, stderr=subprocess.DEVNULL, text=True,
-                                                    timeout=10).strip()
-                            for command in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain"]))
-            commit, dirty = head, bool(status)
-    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
-        commit, dirty = "uncommitted", False
-    try:  # Linux
-        cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE).group(1)
-    except (OSError, AttributeError):
-        cpu = platform.processor() or "unknown CPU"
+    commit, dirty = os.environ.get("GIT_COMMIT"), os.environ.get("GIT_DIRTY", "0") != "0"
+    if commit is None:  # the checkout's HEAD, dirty where git status lists anything; "uncommitted": no git, no checkout
+        git = subprocess.run("git rev-parse --short HEAD && git status --porcelain", shell=True, cwd=HERE, text=True,
+                             capture_output=True)
+        commit, *status = git.stdout.splitlines() or ["uncommitted"]
+        dirty = bool(status)
+    cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text() if sys.platform == "linux" else "")
     return {"device": torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter; toy sizes)",
-            "host": socket.gethostname(), "host_cpu": f"{cpu}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
-            "git_commit": commit, "git_dirty": dirty, "command": [sys.executable, *sys.argv],
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+            "host": platform.node(), "host_cpu": f"{cpu[1] if cpu else platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "git_commit": commit, "git_dirty": dirty,
+            "command": [sys.executable, *sys.argv], "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Model: real weights when they can be loaded offline, otherwise the same architecture with random weights
+# Model: real weights where from_pretrained can load them, otherwise the same architecture with random weights
 
 # configs/<name>/config.json: the published architecture of each supported family's common size (llama-3.1-8b,
 # mistral-7b-v0.3, qwen2.5-7b, qwen3-8b, gemma-2-9b, gemma-3-12b's text decoder, phi-3-mini-4k-instruct) and a tiny
@@ -169,69 +156,47 @@ CONFIGS = HERE / "configs"
 SOFTCAP_ATTENTION = ["eager", "flex_attention", "flash_attention_2"]
 
 
+def first_line(err):
+    """An error's message in one line: its first, or the error's type where it has no message."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 def builtin_config(name):
     """The config in configs/ named like the model (its Hub id's last part, in any case), or None."""
-    folder = CONFIGS / name.rstrip("/").split("/")[-1].lower()
+    folder = CONFIGS / Path(name).name.lower()
     return AutoConfig.from_pretrained(folder) if (folder / "config.json").is_file() else None
 
 
-def is_builtin(name):
-    """Whether --model names a built-in architecture: a bare name (no org/, nothing of that name here) of a configs/
-    folder. Such a model has random weights and no tokenizer."""
-    return "/" not in name and not Path(name).exists() and (CONFIGS / name.lower() / "config.json").is_file()
-
-
-def is_local_path(name):
-    """A Hub id is `name` or `org/name`: a name that exists here, starts with / . ~ or has 2 slashes is a local path."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
-
-
-def check_attention(config, attn_implementation):
-    """A model whose attention logits are softcapped (Gemma 2) would train a different function on an attention that
-    drops the cap: one error line instead."""
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap and attn_implementation not in SOFTCAP_ATTENTION:
-        raise SystemExit(f"error: --attn-implementation {attn_implementation} cannot apply {config.model_type}'s "
-                         f"attention logit softcapping ({softcap}); use {' or '.join(SOFTCAP_ATTENTION)}")
-
-
 def load_model(args, device, dtype):
-    """(model, "real" | "random"), never waiting on the network unless --allow-download. Real weights load straight
-    onto `device` (from_pretrained's device_map, where accelerate is installed). A built-in name, or weights that
-    cannot be loaded, give the architecture with random weights, from a local folder's own config.json or configs/.
-    A local --model that does not exist is an error: a typo, not a missing download."""
-    name = args.model  # "~" already expanded by the parser
-    config = builtin_config(name) if is_builtin(name) else None
+    """(model, "real" | "random"). from_pretrained loads the weights straight onto `device` (device_map). A bare name
+    of configs/, or weights it cannot load (not cached with HF_HUB_OFFLINE=1, a gated repo), give the architecture
+    with random weights, from the folder's own config.json or from configs/, said so."""
+    name, attention, weights = args.model, args.attn_implementation, "random"
+    config = builtin_config(name) if "/" not in name and not Path(name).exists() else None
     try:
         if config is None:
-            if is_local_path(name) and not Path(name).is_dir():
-                raise SystemExit(f"error: --model {name}: no such directory (a local model is the folder written by "
-                                 f"save_pretrained; a Hub id has the form org/name)")
-            placement = {"device_map": device} if is_accelerate_available() else {}
             try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    name, dtype=dtype, attn_implementation=args.attn_implementation,
-                    local_files_only=not args.allow_download, **placement)
-                check_attention(model.config, args.attn_implementation)
-                return model.to(device), "real"
+                model, weights = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device,
+                                                                      attn_implementation=attention), "real"
             except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
-                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                if args.strict_weights:
-                    raise SystemExit(f"error: cannot load the weights of {name}: {reason}")
-                local_config = is_local_path(name) and (Path(name) / "config.json").is_file()
+                local_config = (Path(name) / "config.json").is_file()
                 config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
                 if config is None:
-                    raise SystemExit(f"error: cannot load {name} ({reason}) and no built-in config is known for it "
-                                     f"(configs/ has {', '.join(sorted(p.name for p in CONFIGS.iterdir()))})")
-                print(f"weights for {name} not available{'' if args.allow_download else ' offline'} ({reason}): "
-                      f"using the same architecture with RANDOM weights")
-        check_attention(config, args.attn_implementation)
-        # Built on the target device in the target dtype: 8B parameters never pass through CPU memory or fp32.
-        with torch.device(device):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                    attn_implementation=args.attn_implementation), "random"
+                    raise SystemExit(f"error: --model {name}: no such directory, no weights to load "
+                                     f"({first_line(err)}) and no config of that name in configs/")
+                print(f"weights for {name} not available ({first_line(err)}): the same architecture with RANDOM "
+                      f"weights")
+        if weights == "random":  # built on the device in the dtype: 8B parameters never pass through the host in fp32
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     except ImportError as err:  # the attention implementation's package (flash-attn) is not installed
-        raise SystemExit(f"error: --attn-implementation {args.attn_implementation}: {str(err).splitlines()[0]}")
+        raise SystemExit(f"error: --attn-implementation {attention}: {first_line(err)}")
+    # A model whose attention logits are softcapped (Gemma 2) would train another function on an attention without it.
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    if softcap and attention not in SOFTCAP_ATTENTION:
+        raise SystemExit(f"error: --attn-implementation {attention} cannot apply {model.config.model_type}'s "
+                         f"attention logit softcapping ({softcap}); use {' or '.join(SOFTCAP_ATTENTION)}")
+    return model, weights
 
 
 # ----------------------------------------------------------------------------------------------------------------------

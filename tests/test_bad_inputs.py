@@ -7,7 +7,7 @@ by the tests: an empty .txt, a .jsonl without a "text" field, a Latin-1 (not UTF
 a file of an unknown type; --compare gets a missing file, a file that is not JSON, a trace instead of a summary, and
 a CPU summary against a GPU one. Bad options are refused before the run starts: a learning rate that is not a positive
 finite number, an attention implementation transformers does not have (or cannot use here), an output path that is a
-directory (a trace folder that is a file), a warm-up longer than the sequence.
+directory (a trace folder that is a file).
 """
 import importlib.util
 import json
@@ -59,7 +59,6 @@ FINETUNE_CASES = {
     "attn-unknown": (["--attn-implementation", "flash"], "argument --attn-implementation: invalid choice: 'flash'"),
     # a directory as --out: refused before the run, not found out when the results are written at its end
     "out-directory": (["--out", "{data}"], "data is a directory: give the path of the file to write"),
-    "warmup-without-search": (["--warmup-seq-len", "32"], "--warmup-seq-len is the --seq-len-search warm-up's length"),
     "resume-without-checkpoint": (["--output-dir", "{data}", "--resume"], "--resume: no complete checkpoint in"),
     "save-without-output-dir": (["--save-steps", "2"], "--save-steps and --resume need --output-dir"),
     "eval-split-of-synthetic": (["--eval-split", "0.1"], "--eval-split takes a fraction between 0 and 1 of --data"),
@@ -77,9 +76,9 @@ BASELINE_CASES = {
     "flex-attention-on-cpu": (["--attn-implementation", "flex_attention"],
                               "--attn-implementation flex_attention needs a GPU"),
 }
-# Without the datasets package only .txt files can be read: the other data cases need it.
-NEEDS_DATASETS = {"data-no-text-field", "data-null-text", "data-missing-file", "data-unknown-type",
-                  "text-field-missing"}
+# Every data set is read through the datasets package.
+NEEDS_DATASETS = {"data-empty", "data-no-text-field", "data-not-utf8", "data-only-whitespace", "data-null-text",
+                  "data-missing-file", "data-unknown-type", "text-field-missing"}
 
 
 @pytest.mark.parametrize("script, case", [(script, case) for script in FINETUNE for case in FINETUNE_CASES]

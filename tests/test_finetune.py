@@ -13,7 +13,7 @@
   without a GPU its peak memory is null and printed "n/a (CPU)", as the training summary does.
 - --data reads each way datasets users keep a data set (save_to_disk folders, json/jsonl/parquet/csv/text files, a
   folder of data files), written by the test: the token stream must equal the reference, the UTF-8 bytes of every
-  row's --text-field with EOS after each and empty rows skipped. Without the datasets package a .txt file still reads.
+  row's --text-field with EOS after each and empty rows skipped.
 - A model saved with save_pretrained loads from its folder as "real weights", placed with device_map, bit-identical.
   A --model path that starts with ~ names the same folder for the weights and for the tokenizer.
 - The default JSON names of runs that differ in data, optimizer, shape, variant or any other option differ.
@@ -238,19 +238,6 @@ def test_data_formats(kind, module, tmp_path):
         len(expected_stream(texts[:1]))
 
 
-def test_txt_without_datasets_package(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
-    (tmp_path / "doc.txt").write_text("\n".join(ROWS), encoding="utf-8")
-    args = finetune_baseline.parse_args(["--model", "tiny", "--data", str(tmp_path / "doc.txt")])
-    assert finetune_baseline.load_token_stream(args, args.data, EOS, None, 10**6).tolist() == \
-        expected_stream(["\n".join(ROWS)])
-    assert "datasets package is not installed" in capsys.readouterr().out
-    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
-    with pytest.raises(SystemExit, match="needs the datasets package"):
-        finetune_baseline.load_token_stream(finetune_baseline.parse_args(["--data", str(tmp_path / "rows.jsonl")]),
-                                            str(tmp_path / "rows.jsonl"), EOS, None, 10**6)
-
-
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     """A tiny LLaMA with random weights, saved by save_pretrained: a local model folder."""
@@ -313,11 +300,10 @@ def default_name(module, *flags, weights="random", variant="baseline", world_siz
 
 
 def test_default_json_names_tell_runs_apart(monkeypatch):
-    assert (default_name(finetune_baseline)
-            == "finetune_baseline_tiny-random_baseline_synthetic_adamw_fused_float32_1x32.json")
+    assert default_name(finetune_baseline) == "finetune_baseline_tiny-random_baseline_float32_1x32.json"
     assert (default_name(finetune_optimized, "--data", "/data/wiki.jsonl", "--lce-chunk-size", "256",
                          variant="rmsnorm+linear_ce+swiglu+rope")
-            == "finetune_optimized_tiny-random_rmsnorm+linear_ce+swiglu+rope_wiki.jsonl_adamw_fused_float32_1x32"
+            == "finetune_optimized_tiny-random_rmsnorm+linear_ce+swiglu+rope_float32_1x32_data=wiki.jsonl"
                "_lce-chunk-size=256.json")
     monkeypatch.setenv("WORLD_SIZE", "2")
     runs = [(), ("--data", "a.jsonl"), ("--data", "b.parquet"), ("--data", "org/corpus"), ("--data", "b.parquet",
@@ -328,26 +314,25 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
     names += [default_name(finetune_baseline, weights="real"), default_name(finetune_baseline, variant="compile")]
     assert len(set(names)) == len(names), names
     # what does not change the run does not change the name
-    assert default_name(finetune_baseline, "--log-interval", "5", "--allow-download") == names[0]
+    assert default_name(finetune_baseline, "--tensorboard", "runs/tb") == names[0]
 
 
 # The stock parts both scripts keep as parallel text, so that `diff finetune_baseline.py finetune_optimized.py` shows
 # only what is ours (our machinery exists once, in finetune_optimized.py).
-SHARED = ["run_info", "builtin_config", "is_builtin", "check_attention", "is_local_path", "load_model", "data_error",
-          "data_rows", "load_tokenizer", "load_token_stream", "make_batches", "load_data", "shift_labels_of",
-          "default_out_path", "evaluate", "checkpoints", "resume", "save_final", "write_results", "seq_len_search",
-          "sync"]
+SHARED = ["run_info", "first_line", "builtin_config", "load_model", "data_rows", "load_tokenizer", "load_token_stream",
+          "make_batches", "load_data", "shift_labels_of", "default_out_path", "evaluate", "checkpoints", "resume",
+          "save_final", "write_results", "seq_len_search"]
 
 
 def test_stock_parts_are_parallel_text():
     for name in SHARED:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(finetune_optimized, name)), name
-    for name in ["SOFTCAP_ATTENTION", "DATA_FILE_BUILDERS", "NAMED_OPTIONS", "UNNAMED_OPTIONS", "DTYPES",
-                 "ATTN_IMPLEMENTATIONS", "LR_SCHEDULERS"]:
+    for name in ["SOFTCAP_ATTENTION", "DATA_FILE_BUILDERS", "UNNAMED_OPTIONS", "DTYPES", "ATTN_IMPLEMENTATIONS",
+                 "LR_SCHEDULERS"]:
         assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
     assert finetune_baseline.ATTN_IMPLEMENTATIONS == profile_baseline.ATTN_IMPLEMENTATIONS
-    for name in ["run_info", "builtin_config", "is_builtin", "check_attention", "is_local_path", "load_model"]:
+    for name in ["run_info", "first_line", "builtin_config", "load_model"]:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(profile_baseline, name)), name
 
