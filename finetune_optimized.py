@@ -109,6 +109,8 @@ def build_parser():
         help="Hub id or local folder; a name in configs/ (tiny, tiny-<family>, qwen3-8b, ...): random weights")
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="transformers' attention")
+    add("--allow-download", action="store_true", help="let from_pretrained and load_dataset reach the Hub (default: "
+        "the local cache only)")
     # -- training --------------------------------------------------------------------------------------------------
     add("--steps", type=int, default=20, help="optimizer steps; the first is a warm-up, not timed")
     add("--batch-size", type=int, default=1, help="sequences per micro-batch (per rank with --fsdp)")
@@ -259,7 +261,7 @@ def run_info():
 
 # Options the default JSON name leaves out: its fixed parts and the variant show them, or they change no measurement.
 UNNAMED_OPTIONS = {"model", "dtype", "batch_size", "seq_len", "fsdp", "compile", "liger", "loss", "rmsnorm", "swiglu",
-                   "rope", "fp8", "out", "tensorboard"}
+                   "rope", "fp8", "out", "tensorboard", "allow_download"}
 
 
 def default_out_path(args, weights, dtype, variant, world_size):
@@ -299,15 +301,17 @@ def builtin_config(name):
 
 def load_model(args, device, dtype):
     """(model, "real" | "random"). from_pretrained loads the weights straight onto `device` (device_map). A bare name
-    of configs/, or weights it cannot load (not cached with HF_HUB_OFFLINE=1, a gated repo), give the architecture
-    with random weights, from the folder's own config.json or from configs/, said so."""
+    of configs/, or weights it cannot load (not in the local cache, a gated repo), give the architecture with random
+    weights, from the folder's own config.json or from configs/, said so. The Hub is asked only with --allow-download:
+    without a network, huggingface_hub retries each file for ~20 s before it gives up."""
     name, attention, weights = args.model, args.attn_implementation, "random"
     config = builtin_config(name) if "/" not in name and not Path(name).exists() else None
     try:
         if config is None:
             try:
-                model, weights = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device,
-                                                                      attn_implementation=attention), "real"
+                model, weights = AutoModelForCausalLM.from_pretrained(
+                    name, dtype=dtype, device_map=device, attn_implementation=attention,
+                    local_files_only=not args.allow_download), "real"
             except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
                 local_config = (Path(name) / "config.json").is_file()
                 config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
@@ -336,9 +340,12 @@ def load_model(args, device, dtype):
 DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def data_rows(source):
+def data_rows(source, offline):
     """The rows of a save_to_disk folder (its "train" split where it has several), a local data file (streamed: read
-    only as far as the run needs; a .txt file is one document), a folder of data files, or a Hub data set."""
+    only as far as the run needs; a .txt file is one document), a folder of data files, or a Hub data set (from the
+    cache when offline)."""
+    if offline:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is imported
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line instead
@@ -361,7 +368,7 @@ def load_tokenizer(args):
     """The model's tokenizer, or None where it has none here (a built-in architecture, a Hub id not in the cache): the
     UTF-8 bytes of the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
     try:
-        return AutoTokenizer.from_pretrained(args.model)
+        return AutoTokenizer.from_pretrained(args.model, local_files_only=not args.allow_download)
     except (OSError, ValueError) as err:
         print(f"no tokenizer for {args.model} ({first_line(err)}): using UTF-8 bytes as token ids")
 
@@ -372,7 +379,7 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode("utf-8")))
     ids = []
     try:
-        for index, row in enumerate(data_rows(source)):
+        for index, row in enumerate(data_rows(source, offline=not args.allow_download)):
             if args.text_field not in row:
                 raise SystemExit(f"error: data {source}: no field {args.text_field!r} (its fields: "
                                  f"{', '.join(map(str, row))}); name the text column with --text-field")

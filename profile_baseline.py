@@ -80,6 +80,8 @@ def parse_args(argv=None):
     parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
                         help="transformers' attention: sdpa = torch's scaled_dot_product_attention; eager = matmul, "
                              "softmax, matmul; flash_attention_2/3 need the flash-attn package; flex_attention a GPU")
+    parser.add_argument("--allow-download", action="store_true",
+                        help="let from_pretrained reach the Hub (default: the local cache only)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=512 if HAS_CUDA else 32,
                         help="tokens per sequence, at least 2 (32 without a GPU: the Triton interpreter is slow)")
@@ -169,15 +171,17 @@ def builtin_config(name):
 
 def load_model(args, device, dtype):
     """(model, "real" | "random"). from_pretrained loads the weights straight onto `device` (device_map). A bare name
-    of configs/, or weights it cannot load (not cached with HF_HUB_OFFLINE=1, a gated repo), give the architecture
-    with random weights, from the folder's own config.json or from configs/, said so."""
+    of configs/, or weights it cannot load (not in the local cache, a gated repo), give the architecture with random
+    weights, from the folder's own config.json or from configs/, said so. The Hub is asked only with --allow-download:
+    without a network, huggingface_hub retries each file for ~20 s before it gives up."""
     name, attention, weights = args.model, args.attn_implementation, "random"
     config = builtin_config(name) if "/" not in name and not Path(name).exists() else None
     try:
         if config is None:
             try:
-                model, weights = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device,
-                                                                      attn_implementation=attention), "real"
+                model, weights = AutoModelForCausalLM.from_pretrained(
+                    name, dtype=dtype, device_map=device, attn_implementation=attention,
+                    local_files_only=not args.allow_download), "real"
             except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
                 local_config = (Path(name) / "config.json").is_file()
                 config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)

@@ -266,6 +266,30 @@ def test_local_model_loads_real_weights_with_device_map(saved_model, module, mon
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[name], state[name]) for name in state)
 
 
+@pytest.mark.parametrize("allow_download", [False, True], ids=["cache-only", "allow-download"])
+@pytest.mark.parametrize("module", [finetune_baseline, finetune_optimized, profile_baseline],
+                         ids=["baseline", "optimized", "profile"])
+def test_the_hub_is_asked_only_with_allow_download(module, allow_download, monkeypatch):
+    """Without a network huggingface_hub retries every file for ~20 s (seen on the GPU box: past 75 s before the first
+    step), so the weights, the tokenizer and Hub data sets come from the local cache unless --allow-download."""
+    asked = []
+
+    def not_cached(name, **kwargs):
+        asked.append((name, kwargs.get("local_files_only")))
+        raise OSError(f"{name} is not cached")
+
+    monkeypatch.setattr(module.AutoModelForCausalLM, "from_pretrained", not_cached)
+    args = module.parse_args(["--model", "some-org/not-a-builtin"] + ["--allow-download"] * allow_download)
+    with pytest.raises(SystemExit, match="not cached"):  # no config of that name either: the one error line
+        module.load_model(args, DEVICE, torch.float32)
+    expected = [("some-org/not-a-builtin", not allow_download)]
+    if hasattr(module, "load_tokenizer"):
+        monkeypatch.setattr(module.AutoTokenizer, "from_pretrained", not_cached)
+        assert module.load_tokenizer(args) is None  # UTF-8 bytes instead, said so
+        expected.append(("some-org/not-a-builtin", not allow_download))
+    assert asked == expected
+
+
 @pytest.mark.parametrize("module", [finetune_baseline, finetune_optimized, profile_baseline],
                          ids=["baseline", "optimized", "profile"])
 def test_model_path_with_tilde_is_the_same_folder_for_weights_and_tokenizer(module, tmp_path, monkeypatch, capsys):
