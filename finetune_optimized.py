@@ -901,6 +901,8 @@ def fine_tune(args, tried=(), write=True):
     # --- memory: the fastest plan that fits (--memory-plan auto) or the flags as given, and its levers ---------------
     plan = plan_memory(args, model, model_with_loss, device, tried)
     offloader = apply_levers(model, plan)
+    if offloader is not None:
+        offloader.reserve((args.batch_size, args.seq_len, config.hidden_size), dtype, plan.offload_layers)
     use_cuda_graph = prepare_compiled_step(args, model)
 
     if args.fsdp:
@@ -1692,6 +1694,16 @@ class ActivationOffloader:
 
     def new_step(self):
         self.records = []
+
+    def reserve(self, shape, dtype, layers):
+        """Pins the host memory of one step's offloaded inputs (`layers` tensors of `shape`) ahead of the step: the
+        caching host allocator keeps the freed pinned blocks and hands them to pack, so the first step at a length
+        does not wait on cudaHostAlloc (seconds for tens of GiB, which a --seq-len-search row would count as step
+        time). A no-op without a GPU, where nothing is pinned."""
+        if HAS_CUDA:
+            # all held at once, so the cache keeps `layers` blocks (one at a time would reuse one block throughout)
+            blocks = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(layers)]
+            blocks.clear()  # freed into the host allocator's cache, not back to the system
 
     def pack(self, tensor):
         if tensor.dim() < 2 or tensor.shape[-1] != self.hidden_size:

@@ -174,6 +174,27 @@ def test_optimizer_in_backward_matches_a_normal_step(script_name, rope_patch):
     assert in_backward == pytest.approx(normal, rel=1e-6, abs=0)
 
 
+def test_offloader_pins_one_steps_inputs_before_the_step(monkeypatch):
+    """reserve asks the host allocator for exactly what pack will ask for in the step (one pinned tensor per offloaded
+    layer, of the layer input's shape and dtype), so the first step at a length finds the blocks cached; without a
+    GPU it pins nothing. The spy records the requests and pins nothing itself."""
+    pinned, real_empty = [], torch.empty
+
+    def spy(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            pinned.append((tuple(args[0]), kwargs["dtype"]))
+        return real_empty(*args, **kwargs)
+
+    offloader = finetune_optimized.ActivationOffloader(hidden_size=8)
+    monkeypatch.setattr(finetune_optimized.torch, "empty", spy)
+    monkeypatch.setattr(finetune_optimized, "HAS_CUDA", False)
+    offloader.reserve((1, 16, 8), torch.bfloat16, 3)
+    assert pinned == []
+    monkeypatch.setattr(finetune_optimized, "HAS_CUDA", True)
+    offloader.reserve((1, 16, 8), torch.bfloat16, 3)
+    assert pinned == [((1, 16, 8), torch.bfloat16)] * 3
+
+
 def test_search_reports_the_failing_part_and_not_tried():
     phase = {"now": "idle"}
 
