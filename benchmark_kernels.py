@@ -14,7 +14,8 @@ What one run does
      built from the same rounded inputs. The error is a relative norm, |got - ref| / |ref| (an all-zero result scores
      1.0). The rule: no worse than the kernel's rule provider (PyTorch in the same dtype) times ERROR_FACTOR, plus a
      small floor. One of OUR providers above it is a FAIL and makes the exit code non-zero; any other provider above
-     it is reported as "above rule (peer)" and not judged (e.g. Liger's bf16 loss).
+     it is reported as "above rule (peer)" and not judged (e.g. Liger's bf16 loss). Where the rule provider alone runs
+     out of memory at a size, its errors at a smaller size of the run set the limits (the row names that size).
    - peak memory above inputs: inputs are created first, then `reset_peak_memory_stats`, then one forward+backward;
      the peak minus what was allocated before. It includes the gradients the step produces.
    - forward, backward and forward+backward times: `triton.testing.do_bench` medians with p20/p80 (the L2 cache is
@@ -767,20 +768,33 @@ def check_label(provider, passed):
     return FAIL if provider.ours else PEER_ABOVE
 
 
-def correctness_rule(spec, case, options, dtype):
-    """(float64 reference, the rule provider's errors, limits) for one case and one set of options, or the exception
-    that prevented them (e.g. out of memory at a size too large for this device)."""
+def correctness_rule(spec, case, options, dtype, tokens, smaller=None):
+    """(float64 reference, the rule provider's errors, limits, the size those errors come from) for one case and one
+    set of options, or the exception that prevented them (e.g. out of memory at a size too large for this device).
+
+    smaller: (tokens, errors) of the rule provider at a smaller size of this run. Where the rule provider alone runs
+    out of memory at this size (PyTorch's fp32 path holds several fp32 copies of the logits: with a softcap at 16384 x
+    128256 it does not fit beside the float64 reference on an 80 GB card), those errors set the limits: they are
+    relative norms, which do not grow with the number of rows."""
     try:
         ref = spec.reference(case, **options)
-        rule_errors = errors_of(run_once(spec.provider(spec.rule_provider).load(**options), case), ref)
     except Exception as exc:
         if ON_GPU:
             torch.cuda.empty_cache()
         return exc
+    try:
+        rule_provider = spec.provider(spec.rule_provider).load(**options)
+        rule_errors, rule_tokens = errors_of(run_once(rule_provider, case), ref), tokens
+    except Exception as exc:
+        if ON_GPU:
+            torch.cuda.empty_cache()
+        if not isinstance(exc, torch.OutOfMemoryError) or smaller is None:
+            return exc
+        rule_tokens, rule_errors = smaller
     # The floor follows the dtype of the output: losses are fp32 (what transformers' loss returns), the rest dtype.
     limits = {name: ERROR_FACTOR * err + ERROR_FLOOR[torch.float32 if name in spec.fp32_outputs else dtype]
               for name, err in rule_errors.items()}
-    return ref, rule_errors, limits
+    return ref, rule_errors, limits, rule_tokens
 
 
 def benchmark_kernel(kernel, args, copy_gbps):
@@ -816,6 +830,7 @@ def benchmark_kernel(kernel, args, copy_gbps):
         rows.append(base_row(provider, status))
         print(f"  {kernel:<21} {provider.name:<14} {status}")
 
+    measured_rules = {}  # options (as JSON) -> (tokens, the rule provider's errors) at the last size it ran at
     for tokens in kernel_tokens(spec, args):
         gen = torch.Generator(device=DEVICE).manual_seed(args.seed + tokens)  # fresh data for every size
         try:
@@ -829,21 +844,30 @@ def benchmark_kernel(kernel, args, copy_gbps):
         for provider in loadable:
             key = json.dumps(provider.options, sort_keys=True)
             if provider.ceiling:  # timed, not checked: it needs no reference
-                rule = missing or (None, None, None)
+                rule = missing or (None, None, None, None)
             else:
                 if key not in rules:
-                    rules[key] = missing or correctness_rule(spec, case, provider.options, dtype)
+                    rules[key] = missing or correctness_rule(spec, case, provider.options, dtype, tokens,
+                                                             measured_rules.get(key))
                     if isinstance(rules[key], Exception):
                         rules[key] = f"failed: reference/{spec.rule_provider}: {_short(rules[key])}"
                         failures.append(f"{kernel} N={tokens}{' ' + key if provider.options else ''}: {rules[key]}")
                         print(f"  {kernel:<21} N={tokens:<6} {rules[key]}")
+                    elif not isinstance(rules[key], str) and rules[key][3] == tokens:
+                        measured_rules[key] = (tokens, rules[key][1])
+                    elif not isinstance(rules[key], str):
+                        print(f"  {kernel:<21} N={tokens:<6} {spec.rule_provider} out of memory here: the limits "
+                              f"{'of ' + key + ' ' if provider.options else ''}come from its errors at "
+                              f"N={rules[key][3]}")
                 rule = rules[key]
             if isinstance(rule, str):
                 rows.append(dict(base_row(provider, rule), tokens=tokens, check=FAIL if provider.ours else UNCHECKED))
                 continue
-            ref, rule_errors, limits = rule
+            ref, rule_errors, limits, rule_tokens = rule
             row_head = dict(base_row(provider, "ok"), tokens=tokens, shape=case.shape,
                             what=None, error_baseline=rule_errors, error_limit=limits)
+            if rule_tokens not in (None, tokens):  # the rule provider did not fit at this size
+                row_head["error_baseline_tokens"] = rule_tokens
             try:
                 fn = provider.load(**provider.options)
                 err = {} if provider.ceiling else errors_of(run_once(fn, case), ref)

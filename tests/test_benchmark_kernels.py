@@ -268,6 +268,41 @@ def test_registry_drives_everything(tmp_path, monkeypatch, capsys, bench):
     assert "above rule (peer)" in stdout
 
 
+@pytest.mark.parametrize("runs_out_at", [5, 3], ids=["larger-size", "first-size"])
+def test_rule_provider_out_of_memory_borrows_a_smaller_sizes_limits(runs_out_at, tmp_path, monkeypatch, capsys,
+                                                                     bench):
+    """The rule provider (here eager) runs out of memory at one size: where it ran at a smaller size of the run, its
+    errors there set the limits, ours are still checked against the float64 reference, and the row says which size the
+    limits come from; where it never ran, the case fails as before. A wrong provider still fails the borrowed rule."""
+    spec = _toy_spec(bench, "toy")
+
+    def eager(scale=2.0):
+        def run(x):
+            if x.shape[0] == runs_out_at:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return scale * x
+        return run
+
+    wrong = bench.Provider("ours_off", lambda: (lambda x: 2.5 * x), "ours, wrong", ours=True)
+    providers = tuple(bench.Provider("eager", eager) if p.name == "eager" else p for p in spec.providers
+                      if p.name in ("ours", "eager")) + (wrong,)
+    monkeypatch.setitem(bench.KERNELS, "toy", dataclasses.replace(spec, tokens_cpu=(3, 5), tokens_gpu=(3, 5),
+                                                                  providers=providers))
+    out = tmp_path / "bench_{kernel}.json"
+    code = bench.main(["--kernel", "toy", "--width", "6", "--out", str(out), *IN_PROCESS_QUICK])
+    stdout = capsys.readouterr().out
+    rows = [row for row in json.loads((tmp_path / "bench_toy.json").read_text())["rows"] if row["tokens"] == 5]
+    ours = next(row for row in rows if row["provider"] == "ours")
+    assert code == 1 and "ours_off" in stdout  # the wrong provider fails at every size
+    if runs_out_at == 5:
+        assert ours["check"] == "pass" and ours["error_baseline_tokens"] == 3
+        assert next(row for row in rows if row["provider"] == "ours_off")["check"] == "FAIL"
+        assert "eager out of memory here: the limits come from its errors at N=3" in stdout
+    else:  # out of memory at the first size only: the larger size measures its own rule
+        assert ours["check"] == "pass" and "error_baseline_tokens" not in ours
+        assert "failed: reference/eager: OutOfMemoryError" in stdout
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--tokens", "-4"], "argument --tokens: must be above 0, got -4"),
     (["--tokens", "0"], "argument --tokens: must be above 0, got 0"),
