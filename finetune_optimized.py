@@ -902,7 +902,7 @@ def fine_tune(args, tried=(), write=True):
     plan = plan_memory(args, model, model_with_loss, device, tried)
     offloader = apply_levers(model, plan)
     if offloader is not None:
-        offloader.reserve((args.batch_size, args.seq_len, config.hidden_size), dtype, plan.offload_layers)
+        offloader.reserve(args.batch_size, args.seq_len, dtype)
     use_cuda_graph = prepare_compiled_step(args, model)
 
     if args.fsdp:
@@ -1684,9 +1684,12 @@ class ActivationOffloader:
         self.hidden_size = hidden_size  # what a layer input looks like: [..., hidden_size]
         self.stream = torch.cuda.Stream() if HAS_CUDA else None
         self.records = []
+        self.layers = 0  # layers wrapped: each offloads one input per step
 
     def wrap(self, checkpoint_function):
         """One layer's checkpoint function, with the tensors it saves packed by this offloader."""
+        self.layers += 1
+
         def offloaded_checkpoint(function, *args, **kwargs):
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 return checkpoint_function(function, *args, **kwargs)
@@ -1695,14 +1698,15 @@ class ActivationOffloader:
     def new_step(self):
         self.records = []
 
-    def reserve(self, shape, dtype, layers):
-        """Pins the host memory of one step's offloaded inputs (`layers` tensors of `shape`) ahead of the step: the
-        caching host allocator keeps the freed pinned blocks and hands them to pack, so the first step at a length
-        does not wait on cudaHostAlloc (seconds for tens of GiB, which a --seq-len-search row would count as step
-        time). A no-op without a GPU, where nothing is pinned."""
+    def reserve(self, batch, seq_len, dtype):
+        """Pins the host memory of one step's offloaded inputs ([batch, seq_len, hidden] per wrapped layer) ahead of
+        the step: the caching host allocator keeps the freed pinned blocks and hands them to pack, so the first step
+        at a length does not wait on cudaHostAlloc (seconds for tens of GiB, which a --seq-len-search row would count
+        as step time). A no-op without a GPU, where nothing is pinned."""
         if HAS_CUDA:
-            # all held at once, so the cache keeps `layers` blocks (one at a time would reuse one block throughout)
-            blocks = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(layers)]
+            # all held at once, so the cache keeps one block per layer (one at a time would reuse one block throughout)
+            blocks = [torch.empty((batch, seq_len, self.hidden_size), dtype=dtype, pin_memory=True)
+                      for _ in range(self.layers)]
             blocks.clear()  # freed into the host allocator's cache, not back to the system
 
     def pack(self, tensor):

@@ -186,12 +186,14 @@ def test_offloader_pins_one_steps_inputs_before_the_step(monkeypatch):
         return real_empty(*args, **kwargs)
 
     offloader = finetune_optimized.ActivationOffloader(hidden_size=8)
+    for _ in range(3):  # three layers offloaded
+        offloader.wrap(torch.utils.checkpoint.checkpoint)
     monkeypatch.setattr(finetune_optimized.torch, "empty", spy)
     monkeypatch.setattr(finetune_optimized, "HAS_CUDA", False)
-    offloader.reserve((1, 16, 8), torch.bfloat16, 3)
+    offloader.reserve(1, 16, torch.bfloat16)
     assert pinned == []
     monkeypatch.setattr(finetune_optimized, "HAS_CUDA", True)
-    offloader.reserve((1, 16, 8), torch.bfloat16, 3)
+    offloader.reserve(1, 16, torch.bfloat16)
     assert pinned == [((1, 16, 8), torch.bfloat16)] * 3
 
 
