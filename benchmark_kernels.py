@@ -853,12 +853,14 @@ def benchmark_kernel(kernel, args, copy_gbps):
                         rules[key] = f"failed: reference/{spec.rule_provider}: {_short(rules[key])}"
                         failures.append(f"{kernel} N={tokens}{' ' + key if provider.options else ''}: {rules[key]}")
                         print(f"  {kernel:<21} N={tokens:<6} {rules[key]}")
-                    elif not isinstance(rules[key], str) and rules[key][3] == tokens:
-                        measured_rules[key] = (tokens, rules[key][1])
-                    elif not isinstance(rules[key], str):
-                        print(f"  {kernel:<21} N={tokens:<6} {spec.rule_provider} out of memory here: the limits "
-                              f"{'of ' + key + ' ' if provider.options else ''}come from its errors at "
-                              f"N={rules[key][3]}")
+                    elif not isinstance(rules[key], str):  # a rule, measured here or borrowed from a smaller size
+                        _, rule_errors, _, rule_tokens = rules[key]
+                        if rule_tokens == tokens:
+                            measured_rules[key] = (tokens, rule_errors)
+                        else:
+                            print(f"  {kernel:<21} N={tokens:<6} {spec.rule_provider} out of memory here: the limits "
+                                  f"{'of ' + key + ' ' if provider.options else ''}come from its errors at "
+                                  f"N={rule_tokens}")
                 rule = rules[key]
             if isinstance(rule, str):
                 rows.append(dict(base_row(provider, rule), tokens=tokens, check=FAIL if provider.ours else UNCHECKED))
