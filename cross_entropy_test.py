@@ -825,10 +825,13 @@ def test_linear_dw_accumulation():
 
 
 def test_linear_chunk_rows():
-    """The default chunk comes from LCE_CHUNK_BUDGET_BYTES: a multiple of 64 rows, at least 64, at most N."""
-    budget = lce.LCE_CHUNK_BUDGET_BYTES
-    rows = lce._lce_chunk_rows(16384, 128256, 2, None)
-    assert rows % 64 == 0 and rows * 128256 * 2 <= budget and (rows + 64) * 128256 * 2 > budget, rows
+    """The default chunk: LCE_CHUNK_ROWS rows, fewer (a multiple of 64, at least 64) where they would hold more than
+    LCE_CHUNK_BUDGET_BYTES of logits, never more than N."""
+    budget, rows = lce.LCE_CHUNK_BUDGET_BYTES, lce.LCE_CHUNK_ROWS
+    assert lce._lce_chunk_rows(16384, 32768, 2, None) == rows  # a small vocabulary: the row count decides
+    assert rows * 128256 * 2 <= budget  # LLaMA-3's vocabulary still gets all of them
+    large = lce._lce_chunk_rows(16384, 262144, 2, None)  # Gemma's: the budget decides
+    assert large % 64 == 0 and large * 262144 * 2 <= budget < (large + 64) * 262144 * 2, large
     assert lce._lce_chunk_rows(16384, 10**9, 2, None) == 64  # a huge vocabulary still gets 64 rows
     assert lce._lce_chunk_rows(100, 1000, 4, None) == 100  # small inputs: one chunk
     assert lce._lce_chunk_rows(100, 1000, 4, 33) == 33 and lce._lce_chunk_rows(10, 1000, 4, 33) == 10

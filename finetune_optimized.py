@@ -154,7 +154,7 @@ def build_parser():
         help="linear_ce: fused linear cross-entropy from the hidden states, no logits at all; ce: fused "
              "cross-entropy on the lm_head logits (the playbook's configuration); eager: transformers' own")
     add("--lce-chunk-size", type=int, default=None, help="rows per chunk of the fused linear cross-entropy; None = "
-        "its default budget of chunk logits (LCE_CHUNK_BUDGET_BYTES)")
+        "its default (LCE_CHUNK_ROWS, fewer for a large vocabulary)")
     for kernel, what in (("rmsnorm", "every RMSNorm"), ("swiglu", "every MLP's silu(gate) * up (GELU for Gemma)"),
                          ("rope", "the rotary embedding of q and k")):
         add(f"--{kernel}", action=argparse.BooleanOptionalAction, default=True, help=f"{what} as a fused kernel")

@@ -34,8 +34,10 @@ the reduction's scale then becomes a per-row scale of the main launch. One more 
 change to the kernels.
 
 Chunk size: the peak above the inputs is dW (1 GiB in bf16 for LLaMA-3-8B's lm_head) + dh + one chunk, and every chunk
-re-reads and re-writes dW, so the budget trades memory for speed. 192 MiB (768 rows at V = 128256 in bf16) is the
-largest chunk that keeps the peak under 1.3 GiB (measured on an H200, see results/NOTES.md).
+re-reads and re-writes dW. That read and write (4·V·H bytes) buys 2·V·H·C FLOP of dW matmul, so from about C = 512
+rows on Hopper the matmul, not the memory traffic, sets the chunk's time, and more rows only hold more memory. The
+default is 512 rows (125 MiB at V = 128256 in bf16), fewer where 512 rows of logits would pass 128 MiB (384 rows at
+Qwen's V = 151936, 256 at Gemma's 256000): the loss then holds at most dW + dh + 128 MiB, whatever the vocabulary.
 """
 import sys
 from typing import Optional
@@ -49,9 +51,10 @@ from cross_entropy_kernel import (INTERPRETER, KERNEL_DEVICE, CrossEntropyOutput
                                   _scale_rows_, _validate_rows)
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyFunction", "TritonLinearCrossEntropyLoss",
-           "LCE_CHUNK_BUDGET_BYTES"]
+           "LCE_CHUNK_ROWS", "LCE_CHUNK_BUDGET_BYTES"]
 
-LCE_CHUNK_BUDGET_BYTES = 192 * 2**20  # the default chunk's logits, in bytes (see "Chunk size" above)
+LCE_CHUNK_ROWS = 512  # the default chunk's rows (see "Chunk size" above)
+LCE_CHUNK_BUDGET_BYTES = 128 * 2**20  # the most logits a default chunk holds, in bytes
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -62,7 +65,7 @@ def _lce_chunk_rows(n_rows, V, itemsize, chunk_size):
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"linear_cross_entropy: chunk_size must be a positive int, got {chunk_size!r}")
         return max(1, min(chunk_size, n_rows))
-    rows = LCE_CHUNK_BUDGET_BYTES // (V * itemsize)
+    rows = min(LCE_CHUNK_ROWS, LCE_CHUNK_BUDGET_BYTES // (V * itemsize))
     rows = max(64, rows // 64 * 64)  # a multiple of 64 keeps the matmul tiles full
     return max(1, min(rows, n_rows))
 
@@ -388,7 +391,8 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
     hidden [N, H] or [B, T, H]; weight [V, H] (lm_head.weight as stored); bias [V] or None; targets [N] or [B, T].
     Same semantics, errors and fp32 loss as `cross_entropy` (including NaN for a mean over no rows). Gradients flow to
     hidden, weight and bias as far as they require grad (a frozen weight, as in LoRA, costs no dW matmul).
-    chunk_size = rows per chunk; by default LCE_CHUNK_BUDGET_BYTES of chunk logits (a multiple of 64 rows). For
+    chunk_size = rows per chunk; by default LCE_CHUNK_ROWS, fewer where they would hold more than LCE_CHUNK_BUDGET_BYTES
+    of logits (a multiple of 64 rows). For
     mean/sum the gradients are computed in this call (its backward only scales them); for "none" the backward
     recomputes the chunks. The extras are those of `cross_entropy`, the class weights named ce_weight (as in Liger's
     fused linear cross-entropy); the token accuracy and predicted tokens come without the logits ever being held.

@@ -39,7 +39,7 @@ BUDGET_H100 = 76 * GiB
 BUDGET_H200 = int(136.8 * GiB)
 HOST_BUDGET = 110 * GiB
 PROBE_TOKENS = 4096
-# The fused linear cross-entropy's chunk of logits (LCE_CHUNK_BUDGET_BYTES, 192 MiB) and its gradient.
+# The fused linear cross-entropy's chunk of logits and its gradient, as the H100 measurements below had them (192 MiB).
 LOSS_FIXED_BYTES = 2 * 192 * 2**20
 MEASURED_H100 = [  # (tokens, levers, peak GiB)
     (4096, {}, 63.2),
