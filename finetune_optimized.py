@@ -314,7 +314,10 @@ def load_model(args, device, dtype):
                     local_files_only=not args.allow_download), "real"
             except (OSError, ValueError) as err:  # missing files, gated repo, no network: all surface as one of these
                 local_config = (Path(name) / "config.json").is_file()
-                config = AutoConfig.from_pretrained(name) if local_config else builtin_config(name)
+                # A path that does not exist is a typo, not a request for configs/' architecture of the same name.
+                path_like = name.startswith(("/", ".", "~"))
+                config = (AutoConfig.from_pretrained(name) if local_config else None if path_like
+                          else builtin_config(name))
                 if config is None:
                     raise SystemExit(f"error: --model {name}: no such directory, no weights to load "
                                      f"({first_line(err)}) and no config of that name in configs/")

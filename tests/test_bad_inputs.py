@@ -50,6 +50,8 @@ def run_failing(cmd, tmp_path, expected):
 FINETUNE_CASES = {
     "seq-len-1": (["--seq-len", "1"], "--seq-len must be at least 2"),
     "model-nonexistent": (["--model", "/nonexistent"], "error: --model /nonexistent: no such directory"),
+    # a mistyped path whose last part names a built-in config is still an error, not that config's random weights
+    "model-path-typo": (["--model", "/nonexistent/tiny"], "error: --model /nonexistent/tiny: no such directory"),
     "data-empty": (["--data", "{data}/empty.txt"], "empty.txt: contains no text"),
     "data-no-text-field": (["--data", "{data}/notext.jsonl"], "notext.jsonl: no field 'text' (its fields: content)"),
     "data-not-utf8": (["--data", "{data}/latin1.txt"], "latin1.txt: not UTF-8 text (byte 0xe9"),
@@ -110,12 +112,13 @@ def run_profile_failing(tmp_path, flags, expected):
 @pytest.mark.parametrize("flags, expected", [
     (["--model", "tiny", "--seq-len", "1"], "--seq-len must be at least 2"),
     (["--model", "/nonexistent"], "error: --model /nonexistent: no such directory"),
+    (["--model", "./nonexistent/tiny"], "error: --model ./nonexistent/tiny: no such directory"),
     (["--lr", "0"], "--lr must be a positive finite number, got 0.0"),
     (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
     (["--attn-implementation", "flash"], "argument --attn-implementation: invalid choice: 'flash'"),
     (["--summary-out", "{tmp}"], "is a directory: give the path of the JSON file to write"),
     (["--trace-dir", "{tmp}/file.txt"], "file.txt is a file: give a folder"),
-], ids=["seq-len-1", "model-nonexistent", "lr-0", "lr-nan", "attn-unknown", "summary-out-directory",
+], ids=["seq-len-1", "model-nonexistent", "model-path-typo", "lr-0", "lr-nan", "attn-unknown", "summary-out-directory",
         "trace-dir-file"])
 def test_profile_bad_input(flags, expected, tmp_path):
     (tmp_path / "file.txt").write_text("not a folder")
