@@ -313,6 +313,8 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
             cause = cause.__cause__ or cause.__context__  # a decoding error arrives wrapped in datasets' own
         what = (f"not UTF-8 text (byte 0x{cause.object[cause.start]:02x}); re-encode it as UTF-8"
                 if isinstance(cause, UnicodeDecodeError) else f"cannot be read: {first_line(err)}")
+        if not args.allow_download and not Path(source).exists():  # a Hub data set name, read from the cache only
+            what += "; --allow-download fetches it from the Hub"
         raise SystemExit(f"error: data {source}: {what}") from None
     if not ids:
         raise SystemExit(f"error: data {source}: contains no text in field {args.text_field!r}")

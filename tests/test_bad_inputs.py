@@ -72,6 +72,8 @@ BASELINE_CASES = {
     "data-null-text": (["--data", "{data}/nulltext.jsonl"], "row 1: field 'text' holds None, not text"),
     "data-missing-file": (["--data", "{data}/missing.jsonl"], "missing.jsonl: no such file or folder"),
     "data-unknown-type": (["--data", "{data}/notes.xyz"], "notes.xyz: unknown file type .xyz"),
+    # a Hub data set is read from the cache only: the error says how to fetch it
+    "data-hub-not-cached": (["--data", "no-such-org/no-such-set"], "; --allow-download fetches it from the Hub"),
     "text-field-missing": (["--data", "{data}/notext.jsonl", "--text-field", "body"], "no field 'body'"),
     "attn-package-missing": (["--attn-implementation", "flash_attention_2"],
                              "error: --attn-implementation flash_attention_2: FlashAttention2 has been toggled on"),
@@ -80,7 +82,7 @@ BASELINE_CASES = {
 }
 # Every data set is read through the datasets package.
 NEEDS_DATASETS = {"data-empty", "data-no-text-field", "data-not-utf8", "data-only-whitespace", "data-null-text",
-                  "data-missing-file", "data-unknown-type", "text-field-missing"}
+                  "data-missing-file", "data-unknown-type", "data-hub-not-cached", "text-field-missing"}
 
 
 @pytest.mark.parametrize("script, case", [(script, case) for script in FINETUNE for case in FINETUNE_CASES]
