@@ -187,17 +187,19 @@ def _make_shims(break_results):
         out = swiglu_kernel.swiglu(a, b, gate_multiplier=float(gate_multiplier))
         return result(out if down_multiplier == 1.0 else out * float(down_multiplier))
 
-    class LigerSwiGLUMLP(swiglu_kernel.TritonLlamaMLP):
+    class ResultChecked:
+        """Mixed in before one of our MLP modules: its forward's output goes through result() like every shim's."""
+        def forward(self, x):
+            return result(super().forward(x))
+
+    class LigerSwiGLUMLP(ResultChecked, swiglu_kernel.TritonLlamaMLP):
         def __init__(self, config, intermediate_size=None):
             check_activation(config)
             super().__init__(config.hidden_size,
                              config.intermediate_size if intermediate_size is None else intermediate_size)
             self.config = config
 
-        def forward(self, x):
-            return result(super().forward(x))
-
-    class LigerFalconH1SwiGLUMLP(swiglu_kernel.TritonLlamaMLP):
+    class LigerFalconH1SwiGLUMLP(ResultChecked, swiglu_kernel.TritonLlamaMLP):
         def __init__(self, config):
             check_activation(config)
             gate_multiplier, down_multiplier = config.mlp_multipliers
@@ -205,19 +207,13 @@ def _make_shims(break_results):
                              gate_multiplier=float(gate_multiplier), down_multiplier=float(down_multiplier))
             self.config = config
 
-        def forward(self, x):
-            return result(super().forward(x))
-
-    class LigerPhi3SwiGLUMLP(swiglu_kernel.TritonPhi3MLP):
+    class LigerPhi3SwiGLUMLP(ResultChecked, swiglu_kernel.TritonPhi3MLP):
         def __init__(self, config):
             check_activation(config)
             hidden, intermediate = config.hidden_size, config.intermediate_size
             super().__init__(torch.nn.Linear(hidden, 2 * intermediate, bias=False),
                              torch.nn.Linear(intermediate, hidden, bias=False))
             self.config = config
-
-        def forward(self, x):
-            return result(super().forward(x))
 
     # RoPE -----------------------------------------------------------------------------------------------------------
     def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
