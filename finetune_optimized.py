@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 # Long sequences need large blocks. By default the CUDA caching allocator carves them out of fixed segments and then
@@ -1097,12 +1098,9 @@ def given_levers(args, n_layers, every_lever):
 
 
 def host_memory_bytes():
-    """The host memory pinned offloads may take: 80 % of what the kernel reports available (Linux' MemAvailable)."""
-    try:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        return int(0.8 * int(meminfo["MemAvailable"].split()[0]) * 1024)
-    except (OSError, KeyError, ValueError):
-        return 0
+    """The host memory pinned offloads may take: 90 % of what the kernel reports available (Linux' MemAvailable); the
+    rest is the process's own and the system's. The offloads pin exactly what the plan counts (pinned_empty)."""
+    return int(0.9 * host_memory_available())
 
 
 class NoPlanFits(SystemExit):
@@ -1674,6 +1672,31 @@ def keep_attention_outputs(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Up to this size a tensor's memory may come from heap pages it shares with other allocations, and a page cannot be
+# registered twice; above it glibc maps fresh pages for every allocation (its mmap threshold tops out at 32 MiB). The
+# blocks of the plan's levers at this size or below are powers of two already (a LLaMA q_proj's moment: 32 MiB).
+PINNED_REGISTER_MIN_BYTES = 32 * 2**20
+
+
+def pinned_empty(shape, dtype):
+    """An uninitialized host tensor of exactly `shape`, page-locked so that copies between it and the GPU run
+    asynchronously (on the CPU, a plain tensor). torch.empty(pin_memory=True) takes its memory from the caching host
+    allocator, which rounds every block up to a power of two: a 3 GiB layer input (393216 tokens) would pin 4 GiB and
+    each 1.002 GiB moment of the embedding 2 GiB. Large tensors are therefore allocated as ordinary host memory and
+    registered with the driver (cudaHostRegister), pinned page for page; the registration ends when the tensor is
+    collected. Small ones, which may share a page with other allocations, take the caching allocator's path."""
+    if not HAS_CUDA or math.prod(shape) * dtype.itemsize <= PINNED_REGISTER_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype, pin_memory=HAS_CUDA)
+    tensor = torch.empty(shape, dtype=dtype)
+    cudart, address = torch.cuda.cudart(), tensor.data_ptr()
+    error = int(cudart.cudaHostRegister(address, tensor.nbytes, 0))
+    if error:
+        raise RuntimeError(f"cudaHostRegister of {tensor.nbytes / 2**30:.2f} GiB failed: "
+                           f"{cudart.cudaGetErrorString(error)}")
+    weakref.finalize(tensor, cudart.cudaHostUnregister, address)  # before the memory goes back to the system
+    return tensor
+
+
 class ActivationOffloader:
     """Keeps the checkpointed input of some decoder layers in pinned host memory instead of on the GPU.
 
@@ -1690,6 +1713,7 @@ class ActivationOffloader:
         self.stream = torch.cuda.Stream() if HAS_CUDA else None
         self.records = []
         self.layers = 0  # layers wrapped: each offloads one input per step
+        self.buffers = []  # the host buffers, one per offloaded input of a step, reused by every step
 
     def wrap(self, checkpoint_function):
         """One layer's checkpoint function, with the tensors it saves packed by this offloader."""
@@ -1704,21 +1728,27 @@ class ActivationOffloader:
         self.records = []
 
     def reserve(self, batch, seq_len, dtype):
-        """Pins the host memory of one step's offloaded inputs ([batch, seq_len, hidden] per wrapped layer) ahead of
-        the step: the caching host allocator keeps the freed pinned blocks and hands them to pack, so the first step
-        at a length does not wait on cudaHostAlloc (seconds for tens of GiB, which a --seq-len-search row would count
-        as step time). A no-op without a GPU, where nothing is pinned."""
-        if HAS_CUDA:
-            # all held at once, so the cache keeps one block per layer (one at a time would reuse one block throughout)
-            blocks = [torch.empty((batch, seq_len, self.hidden_size), dtype=dtype, pin_memory=True)
-                      for _ in range(self.layers)]
-            blocks.clear()  # freed into the host allocator's cache, not back to the system
+        """Pins the host buffers of one step's offloaded inputs ([batch, seq_len, hidden] per wrapped layer) ahead of
+        the step, so the first step at a length does not wait on the pinning (seconds for tens of GiB, which a
+        --seq-len-search row would count as step time)."""
+        for index in range(self.layers):
+            self._buffer(index, (batch, seq_len, self.hidden_size), dtype)
+
+    def _buffer(self, index, shape, dtype):
+        """The host buffer of a step's index-th offloaded input: the one of the step before where it has the shape."""
+        if index == len(self.buffers):
+            self.buffers.append(None)
+        buffer = self.buffers[index]
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            self.buffers[index] = None  # the old buffer's memory goes back before the new one is pinned
+            self.buffers[index] = buffer = pinned_empty(shape, dtype)
+        return buffer
 
     def pack(self, tensor):
         if tensor.dim() < 2 or tensor.shape[-1] != self.hidden_size:
             return tensor  # not a layer input (checkpoint also saves a small placeholder tensor of its own): kept
         record = {"device": tensor.device, "index": len(self.records), "on_gpu": None, "used": False,
-                  "host": torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)}
+                  "host": self._buffer(len(self.records), tensor.shape, tensor.dtype)}
         if tensor.is_cuda:
             record["saved"] = torch.cuda.Event(enable_timing=True)
             record["saved"].record()  # on the compute stream: the layer's input is complete here
@@ -1956,8 +1986,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         adamw.step()
         on_device = adamw.state.pop(param)
         if not state:  # the first step: pinned host tensors for the state AdamW has just created
-            state.update({key: value if key == "step" else
-                          torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+            state.update({key: value if key == "step" else pinned_empty(value.shape, value.dtype)
                           for key, value in on_device.items()})
         self._copy_back(state, on_device)
         param.grad = None
@@ -2001,8 +2030,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for saved_id, param in zip(ids, params):
             for name, value in saved_state.get(saved_id, {}).items():
                 if name != "step":
-                    host = torch.empty(param.shape, dtype=param.dtype, pin_memory=param.is_cuda)
-                    self.state[param][name] = host.copy_(value)
+                    self.state[param][name] = pinned_empty(param.shape, param.dtype).copy_(value)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

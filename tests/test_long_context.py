@@ -174,27 +174,44 @@ def test_optimizer_in_backward_matches_a_normal_step(script_name, rope_patch):
     assert in_backward == pytest.approx(normal, rel=1e-6, abs=0)
 
 
-def test_offloader_pins_one_steps_inputs_before_the_step(monkeypatch):
-    """reserve asks the host allocator for exactly what pack will ask for in the step (one pinned tensor per offloaded
-    layer, of the layer input's shape and dtype), so the first step at a length finds the blocks cached; without a
-    GPU it pins nothing. The spy records the requests and pins nothing itself."""
-    pinned, real_empty = [], torch.empty
-
-    def spy(*args, pin_memory=False, **kwargs):
-        if pin_memory:
-            pinned.append((tuple(args[0]), kwargs["dtype"]))
-        return real_empty(*args, **kwargs)
-
+def test_offloader_pins_its_buffers_once(monkeypatch):
+    """reserve pins one host buffer per offloaded layer, of the layer input's shape and dtype, before the first step;
+    every step's pack copies into those same buffers (a step pins nothing), the gradients are those of a run without
+    offload, and another length replaces the buffers."""
+    requests, pinned_empty = [], finetune_optimized.pinned_empty
+    monkeypatch.setattr(finetune_optimized, "pinned_empty",
+                        lambda shape, dtype: requests.append((tuple(shape), dtype)) or pinned_empty(shape, dtype))
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)]
     offloader = finetune_optimized.ActivationOffloader(hidden_size=8)
-    for _ in range(3):  # three layers offloaded
-        offloader.wrap(torch.utils.checkpoint.checkpoint)
-    monkeypatch.setattr(finetune_optimized.torch, "empty", spy)
-    monkeypatch.setattr(finetune_optimized, "HAS_CUDA", False)
-    offloader.reserve(1, 16, torch.bfloat16)
-    assert pinned == []
-    monkeypatch.setattr(finetune_optimized, "HAS_CUDA", True)
-    offloader.reserve(1, 16, torch.bfloat16)
-    assert pinned == [((1, 16, 8), torch.bfloat16)] * 3
+    checkpoints = [offloader.wrap(torch.utils.checkpoint.checkpoint) for _ in layers]
+    offloader.reserve(1, 16, torch.float32)
+    assert requests == [((1, 16, 8), torch.float32)] * 3
+    reserved = list(offloader.buffers)
+
+    def gradients(offload):
+        x = torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(1))
+        for layer, checkpoint in zip(layers, checkpoints):
+            x = checkpoint(layer, x, use_reentrant=False) if offload else layer(x)
+        return torch.autograd.grad(x.square().sum(), [p for layer in layers for p in layer.parameters()])
+
+    reference = gradients(offload=False)
+    for _ in range(2):
+        offloader.new_step()
+        for got, want in zip(gradients(offload=True), reference):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert [record["host"] for record in offloader.records] == reserved  # the same buffers, by identity
+    assert len(requests) == 3
+    offloader.reserve(1, 32, torch.float32)
+    assert requests[3:] == [((1, 32, 8), torch.float32)] * 3
+
+
+def test_pinned_empty_is_exactly_its_shape():
+    """On the CPU a plain tensor; on a GPU pinned, big ones registered at their exact size (no power-of-two block)."""
+    for shape in [(3, 5), (1, 4097, 2049)]:  # small, and just above PINNED_REGISTER_MIN_BYTES (fp32)
+        tensor = finetune_optimized.pinned_empty(shape, torch.float32)
+        assert tensor.shape == shape and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        assert tensor.is_pinned() == torch.cuda.is_available()
 
 
 def test_search_reports_the_failing_part_and_not_tried():
