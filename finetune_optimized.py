@@ -1689,8 +1689,8 @@ def pinned_empty(shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=HAS_CUDA)
     tensor = torch.empty(shape, dtype=dtype)
     cudart, address = torch.cuda.cudart(), tensor.data_ptr()
-    error = int(cudart.cudaHostRegister(address, tensor.nbytes, 0))
-    if error:
+    error = cudart.cudaHostRegister(address, tensor.nbytes, 0)
+    if int(error):
         raise RuntimeError(f"cudaHostRegister of {tensor.nbytes / 2**30:.2f} GiB failed: "
                            f"{cudart.cudaGetErrorString(error)}")
     weakref.finalize(tensor, cudart.cudaHostUnregister, address)  # before the memory goes back to the system
