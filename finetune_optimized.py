@@ -1139,6 +1139,8 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
         # cuBLAS workspaces and the allocator's rounding.
         budget, where = int(0.97 * (free + torch.cuda.memory_reserved(device))) - 2**30, "this GPU"
     host = host_memory_bytes()
+    if args.save_steps:  # a checkpoint of the weights and the optimizer state is staged in host memory too
+        host = max(0, host - model_bytes.param_bytes - model_bytes.optimizer_state_bytes)
     fitting = fitting_plans(budget, model_bytes, args.batch_size, args.seq_len, given, host)
     if tried:
         fitting = [plan for plan in fitting

@@ -423,6 +423,23 @@ def test_no_plan_fits_is_one_line(tmp_path):
     assert not (tmp_path / "run.json").exists()
 
 
+def test_offloads_leave_the_host_room_for_checkpoints(tmp_path, monkeypatch):
+    """With --save-steps the host memory the offloads may take is less a checkpoint's weights and optimizer state,
+    which async_save stages there."""
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 10 * 2**30)
+    real_fitting_plans, calls = plan_module.fitting_plans, []
+
+    def spy(budget, model_bytes, batch, seq_len, given, host_budget_bytes):
+        calls.append((model_bytes, host_budget_bytes))
+        return real_fitting_plans(budget, model_bytes, batch, seq_len, given, host_budget_bytes)
+    monkeypatch.setattr(plan_module, "fitting_plans", spy)
+    run_planned(tmp_path, "--memory-budget-gib", "1")
+    run_planned(tmp_path, "--memory-budget-gib", "1", "--output-dir", str(tmp_path / "ckpt"), "--save-steps", "2")
+    (model_bytes, without), (_, with_checkpoints) = calls
+    assert without == int(0.9 * 10 * 2**30)
+    assert with_checkpoints == without - model_bytes.param_bytes - model_bytes.optimizer_state_bytes > 0
+
+
 def test_search_plans_each_length(tmp_path):
     """--seq-len-search with the plan: each length gets its own plan (none at 64 tokens, levers at 256 within the
     same budget), and a length no plan fits is a row that ends the search, not an error."""
