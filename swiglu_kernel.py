@@ -262,6 +262,23 @@ def _as_rows(t):
     return t2d
 
 
+def _writable_in_place(gate, up):
+    """Whether the backward may write dgate over gate and dup over up: each must be a view of rows with unit column
+    stride (the kernel writes through that view), and writing one must not touch the other: separate storages, or two
+    column ranges of the same rows, as the halves of a fused gate_up projection are."""
+    try:
+        gate2d, up2d = gate.view(-1, gate.shape[-1]), up.view(-1, up.shape[-1])
+    except RuntimeError:  # no such view (e.g. a transposed tensor): the launcher reads a copy
+        return False
+    if gate2d.stride(-1) != 1 or up2d.stride(-1) != 1:
+        return False
+    if gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr():
+        return True
+    n_cols, row_stride = gate2d.shape[1], gate2d.stride(0)
+    shift = abs(up2d.storage_offset() - gate2d.storage_offset())
+    return up2d.stride(0) == row_stride and n_cols <= shift <= row_stride - n_cols
+
+
 def _launch_config(n_rows, n_cols, block_size, block_rows):
     """(grid, BLOCK_ROWS, BLOCK_COLS, num_warps). block_size (columns per tile) and block_rows override the tile, for
     tests: they make a small tensor span many tiles on both axes. Tile dimensions are powers of two (tl.arange)."""
@@ -327,10 +344,8 @@ def _glu_backward(who, gate, up, dy, activation, gate_multiplier, inplace, block
         raise ValueError(f"{who}: dy must be a tensor of shape {tuple(gate.shape)}, got {got}")
     if dy.dtype != gate.dtype or dy.device != gate.device:
         raise TypeError(f"{who}: dy must be {gate.dtype} on {gate.device}, got {dy.dtype} on {dy.device}")
-    # In place only into two contiguous tensors of separate storages (dgate and dup must not collide). The storage
-    # lookups run only when asked for in-place: the default path is a hot path too.
-    if (inplace and gate.is_contiguous() and up.is_contiguous()
-            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()):
+    # The checks for in place run only when it is asked for: the default path is a hot path too.
+    if inplace and _writable_in_place(gate, up):
         dgate, dup = gate, up
     else:
         dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -457,7 +472,7 @@ def _swiglu_backward_inplace_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.
                                 activation: str = "silu") -> None:
     """dgate written over gate and dup over up, as an operator (the trailing underscore: in place, as in torch)."""
     dgate, dup = _glu_backward("swiglu_backward_", gate, up, dy, activation, gate_multiplier, True, None, None)
-    if dgate is not gate:  # the launcher wrote fresh buffers (gate or up not contiguous, or one storage): copy back
+    if dgate is not gate:  # the launcher wrote fresh buffers (gate and up overlap, or have no row view): copy back
         gate.copy_(dgate)
         up.copy_(dup)
 
@@ -503,7 +518,8 @@ def swiglu(gate, up, inplace_backward=False, gate_multiplier=1.0):
     (float32/bfloat16/float16) and device; rows may be strided (e.g. halves of a fused gate_up projection). Returns a
     new contiguous tensor of gate's shape and dtype.
 
-    inplace_backward=True lets the backward write the gradients over gate and up (contiguous ones): two
+    inplace_backward=True lets the backward write the gradients over gate and up (also over the two halves of one
+    fused projection; a transposed gate or up, or two that overlap, get fresh buffers): two
     [tokens, intermediate] buffers less at the start of each MLP's backward. Contract: gate and up are not used after
     the backward (true of the projections' outputs inside an MLP), and the graph is not backpropagated twice. Under
     torch.compile the compiler enforces the first part itself (see the custom operators above).
@@ -629,7 +645,7 @@ class TritonPhi3MLP(torch.nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place as in _TritonGatedMLP: the halves exist only here (strided halves get fresh gradient buffers).
+        # In place as in _TritonGatedMLP: the halves exist only here, and the gradients go over them.
         return self.down_proj(_glu(gate, up, "silu", 1.0, inplace_backward=True))
 
 

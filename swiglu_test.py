@@ -282,8 +282,9 @@ def test_kernel_script_refuses_bad_sizes(argv, capsys):
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_inplace_backward(dtype_name):
-    """inplace_backward=True: the same bits as the default, the gradients written over gate and up (no new buffers),
-    a clear error on a second backward, and fresh buffers when gate and up share one storage."""
+    """inplace_backward=True: the same bits as the default, the gradients written over gate and up (no new buffers,
+    also for the two halves of one fused projection), a clear error on a second backward, and fresh buffers when gate
+    and up are one tensor."""
     seed_for("inplace_backward", dtype_name)
     dtype = DTYPES[dtype_name]
     x = torch.randn(6, 40, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -306,11 +307,21 @@ def test_inplace_backward(dtype_name):
     assert dgate.data_ptr() == gate_ptr, "in-place backward must write dgate into gate's own buffer"
     with pytest.raises(RuntimeError, match="retain_graph"):
         graph.backward(dy)
-    both = torch.randn(6, 144, device=DEVICE, dtype=dtype)  # gate and up: two halves of one (fused) projection
-    gate, up = both[:, :72].requires_grad_(), both[:, 72:].requires_grad_()
-    swiglu(gate, up, inplace_backward=True).backward(dy)
-    _, dgate_ref, dup_ref = ours(gate, up, dy)
-    assert torch.equal(gate.grad, dgate_ref) and torch.equal(up.grad, dup_ref)
+    w_both = torch.randn(40, 144, device=DEVICE, dtype=dtype)
+
+    def run_halves(inplace):  # gate and up: the two halves of one fused projection, as in Phi-3's MLP
+        x.grad = None
+        both = x @ w_both
+        gate, up = both.chunk(2, dim=-1)
+        captured = {}
+        gate.register_hook(lambda g: captured.setdefault("dgate", g))
+        swiglu(gate, up, inplace_backward=inplace).backward(dy)
+        return x.grad.clone(), captured["dgate"], both.data_ptr()
+
+    dx_ref, dgate_ref, _ = run_halves(False)
+    dx, dgate, both_ptr = run_halves(True)
+    assert torch.equal(dx, dx_ref) and torch.equal(dgate, dgate_ref)
+    assert dgate.data_ptr() == both_ptr, "the halves of one projection must take their gradients in place too"
     same = torch.randn(6, 72, device=DEVICE, dtype=dtype)  # swiglu(g, g): dgate and dup must not share a buffer
     gate = same.clone().requires_grad_()
     swiglu(gate, gate, inplace_backward=True).backward(dy)
