@@ -975,8 +975,8 @@ def fine_tune(args, tried=(), write=True):
             result.update(seq_len_search(args, train_step, phase, config.vocab_size, device))
             row = result["seq_len_search"]["results"][-1]
             row["memory_plan"] = plan_record(plan)
-            if offloader is not None and row["status"] == "trained":
-                row["host_gib"] = offloader.report()["host_bytes"] / 2**30
+            if row["status"] == "trained" and (held := host_bytes_held(offloader, optimizers)):
+                row["host_gib"] = held / 2**30
             if row["status"] == "out of memory" and args.memory_plan == "auto":  # main tries the next plan
                 raise torch.OutOfMemoryError(f"in the {row['phase']}, at a peak of {row['peak_gib']:.1f} GiB")
         else:
@@ -986,6 +986,7 @@ def fine_tune(args, tried=(), write=True):
             result.update(train(args, step_function, model_with_loss, optimizers, schedulers, batches, start_step,
                                 variant, rank, world_size))
             result["offload"] = offloader.report() if offloader is not None else None
+            result["host_gib"] = host_bytes_held(offloader, optimizers) / 2**30
             if result["offload"]:
                 print(f"offload         : {result['offload']['host_bytes'] / 2**30:.2f} GiB of layer inputs on the "
                       f"host ({result['offload']['layers']} layers)")
@@ -1680,6 +1681,12 @@ def keep_attention_outputs(ctx, op, *args, **kwargs):
 PINNED_REGISTER_MIN_BYTES = 32 * 2**20
 
 
+def host_bytes_held(offloader, optimizers):
+    """Bytes the run keeps in host memory: the offloaded layer inputs of the last step and the optimizer's moments."""
+    return ((offloader.report()["host_bytes"] if offloader is not None else 0)
+            + sum(optimizer.host_bytes() for optimizer in optimizers if isinstance(optimizer, OffloadedAdamW)))
+
+
 def pinned_empty(shape, dtype):
     """An uninitialized host tensor of exactly `shape`, page-locked so that copies between it and the GPU run
     asynchronously (on the CPU, a plain tensor). torch.empty(pin_memory=True) takes its memory from the caching host
@@ -2146,7 +2153,7 @@ def plot_memory(paths, out_path):
             rows = (result["seq_len_search"]["results"] if "seq_len_search" in result else
                     [{"seq_len": result["options"]["seq_len"], "status": "trained",
                       "peak_gib": result["peak_memory_gib"], "tokens_per_s": result.get("tokens_per_s"),
-                      "host_gib": (result.get("offload") or {}).get("host_bytes", 0) / 2**30}])
+                      "host_gib": result.get("host_gib", (result.get("offload") or {}).get("host_bytes", 0) / 2**30)}])
             for row in rows:
                 if row["status"] not in ("trained", "out of memory"):
                     continue  # "not tried", "non-finite loss": no memory to show

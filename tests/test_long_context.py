@@ -263,6 +263,14 @@ def test_cli_search_and_grad_accumulation(tmp_path):
     search = result["seq_len_search"]
     assert search["longest_trained"] == 32 and [r["status"] for r in search["results"]] == ["trained", "trained"]
     assert search["results"][1]["host_gib"] == pytest.approx(32 * 64 * KERNEL_DTYPE.itemsize / 2**30)
+    # with the optimizer's moments on the host too, a row counts them beside the layer inputs
+    proc, result = run("finetune_optimized.py", tmp_path, "--seq-len-search", "32", "--activation-checkpointing",
+                       "full", "--offload-activations", "1", "--optimizer-in-backward", "--offload-optimizer")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = finetune_optimized.AutoModelForCausalLM.from_config(finetune_optimized.builtin_config("tiny"))
+    moments = 2 * sum(p.numel() for p in model.parameters()) * KERNEL_DTYPE.itemsize
+    assert result["seq_len_search"]["results"][0]["host_gib"] * 2**30 == pytest.approx(32 * 64 * KERNEL_DTYPE.itemsize
+                                                                                        + moments)
     proc, result = run("finetune_baseline.py", tmp_path, "--steps", "2", "--seq-len", "16", "--grad-accum-steps", "2",
                        "--activation-checkpointing", "full")
     assert proc.returncode == 0, proc.stderr[-3000:]
