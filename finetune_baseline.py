@@ -522,10 +522,16 @@ def write_results(result, out_path, rank):
 # ----------------------------------------------------------------------------------------------------------------------
 # The loop, and the longest trainable sequence
 
+# A search step shorter than this is run twice at its length, and the second one timed (see seq_len_search).
+SEARCH_RETIME_S = 60
+
+
 def seq_len_search(args, train_step, phase, vocab, device):
-    """One training step at batch 1 x L for each L of --seq-len-search, after a warm-up step that creates the optimizer
+    """A training step at batch 1 x L for each L of --seq-len-search, after a warm-up step that creates the optimizer
     state: "trained", "out of memory" (in which part of the step) or "non-finite loss"; the first length that does not
-    train ends the search, the longer ones are "not tried"."""
+    train ends the search, the longer ones are "not tried". The first step at a length pays one-time costs (the
+    allocator's growth, kernels compiled for new shapes, host buffers pinned): a length whose first step takes under
+    SEARCH_RETIME_S runs a second step, and that one is timed."""
     generator = torch.Generator().manual_seed(args.seed)
     warmup_len = min(2048, args.seq_len_search[0])
     print(f"seq-len search (batch 1, synthetic tokens, after a warm-up step of {warmup_len}): {args.seq_len_search}")
@@ -536,9 +542,12 @@ def seq_len_search(args, train_step, phase, vocab, device):
         if HAS_CUDA:
             torch.cuda.empty_cache()  # hand back the previous length's cached blocks: this length's own peak
             torch.cuda.reset_peak_memory_stats()
-        t0, loss = time.perf_counter(), math.nan
+        t0, first_step_s, loss = time.perf_counter(), None, math.nan
         try:
             loss = train_step(input_ids)[0].item()  # .item(): the step has finished
+            if time.perf_counter() - t0 < SEARCH_RETIME_S and math.isfinite(loss):
+                first_step_s, t0 = time.perf_counter() - t0, time.perf_counter()
+                loss = train_step(input_ids)[0].item()
         except torch.OutOfMemoryError:
             pass  # phase["now"] names the part of the step that ran out
         step_s = time.perf_counter() - t0
@@ -547,11 +556,13 @@ def seq_len_search(args, train_step, phase, vocab, device):
         if phase["now"] != "idle":
             row.update(status="out of memory", phase=phase["now"])
         elif row["status"] == "trained":
-            row.update(step_ms=1e3 * step_s, tokens_per_s=seq_len / step_s)
+            row.update(step_ms=1e3 * step_s, tokens_per_s=seq_len / step_s,
+                       first_step_ms=1e3 * (first_step_s or step_s))
         rows.append(row)
         peak = "n/a (CPU)" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
         print(f"seq_len {seq_len:>7}: {row['status']}" + (f" in the {phase['now']}" if "phase" in row else "")
               + (f", {step_s:.1f} s/step, {seq_len / step_s:,.0f} tok/s" if "step_ms" in row else "")
+              + (f" (the first step at this length {first_step_s:.1f} s)" if "step_ms" in row and first_step_s else "")
               + f", peak {peak}")
         if row["status"] != "trained":
             break

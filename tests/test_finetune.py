@@ -353,7 +353,7 @@ def test_stock_parts_are_parallel_text():
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(finetune_optimized, name)), name
     for name in ["SOFTCAP_ATTENTION", "DATA_FILE_BUILDERS", "UNNAMED_OPTIONS", "DTYPES", "ATTN_IMPLEMENTATIONS",
-                 "LR_SCHEDULERS"]:
+                 "LR_SCHEDULERS", "SEARCH_RETIME_S"]:
         assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
     assert finetune_baseline.ATTN_IMPLEMENTATIONS == profile_baseline.ATTN_IMPLEMENTATIONS
     for name in ["run_info", "first_line", "builtin_config", "load_model"]:

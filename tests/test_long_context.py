@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,26 @@ def test_pinned_empty_is_exactly_its_shape():
         tensor = finetune_optimized.pinned_empty(shape, torch.float32)
         assert tensor.shape == shape and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
         assert tensor.is_pinned() == torch.cuda.is_available()
+
+
+def test_search_times_a_second_step_where_the_first_is_short(monkeypatch):
+    """The first step at a length pays one-time costs: a short one is run again and the second is the row's time;
+    a long one (over SEARCH_RETIME_S) is timed as it is."""
+    monkeypatch.setattr(finetune_optimized, "SEARCH_RETIME_S", 0.2)
+    calls = []
+
+    def train_step(input_ids):
+        calls.append(input_ids.shape[-1])
+        # calls: the warm-up, the first step at 16 (slow), the second at 16, the one at 32 (long: timed once)
+        time.sleep({2: 0.1, 4: 0.25}.get(len(calls), 0.0))
+        return torch.tensor(6.9), None, None
+
+    args = finetune_optimized.parse_args(["--seq-len-search", "16,32"])
+    search = finetune_optimized.seq_len_search(args, train_step, {"now": "idle"}, 1000, "cpu")["seq_len_search"]
+    rows = search["results"]
+    assert calls == [16, 16, 16, 32]
+    assert rows[0]["first_step_ms"] >= 100 > rows[0]["step_ms"]
+    assert rows[1]["first_step_ms"] == rows[1]["step_ms"] >= 250
 
 
 def test_search_reports_the_failing_part_and_not_tried():
