@@ -1686,16 +1686,16 @@ def keep_attention_outputs(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# Up to this size a tensor's memory may come from heap pages it shares with other allocations, and a page cannot be
-# registered twice; above it glibc maps fresh pages for every allocation (its mmap threshold tops out at 32 MiB). The
-# blocks of the plan's levers at this size or below are powers of two already (a LLaMA q_proj's moment: 32 MiB).
-PINNED_REGISTER_MIN_BYTES = 32 * 2**20
-
-
 def host_bytes_held(offloader, optimizers):
     """Bytes the run keeps in host memory: the offloaded layer inputs of the last step and the optimizer's moments."""
     return ((offloader.report()["host_bytes"] if offloader is not None else 0)
             + sum(optimizer.host_bytes() for optimizer in optimizers if isinstance(optimizer, OffloadedAdamW)))
+
+
+# Up to this size a tensor's memory may come from heap pages it shares with other allocations, and a page cannot be
+# registered twice; above it glibc maps fresh pages for every allocation (its mmap threshold tops out at 32 MiB). The
+# blocks of the plan's levers at this size or below are powers of two already (a LLaMA q_proj's moment: 32 MiB).
+PINNED_REGISTER_MIN_BYTES = 32 * 2**20
 
 
 def pinned_empty(shape, dtype):
