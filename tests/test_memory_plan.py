@@ -434,7 +434,7 @@ def test_offloads_leave_the_host_room_for_checkpoints(tmp_path, monkeypatch):
         return real_fitting_plans(budget, model_bytes, batch, seq_len, given, host_budget_bytes)
     monkeypatch.setattr(plan_module, "fitting_plans", spy)
     run_planned(tmp_path, "--memory-budget-gib", "1")
-    run_planned(tmp_path, "--memory-budget-gib", "1", "--output-dir", str(tmp_path / "ckpt"), "--save-steps", "2")
+    run_planned(tmp_path, "--memory-budget-gib", "1", "--output-dir", str(tmp_path / "ckpt"), "--save-steps", "3")
     (model_bytes, without), (_, with_checkpoints) = calls
     assert without == int(0.9 * 10 * 2**30)
     assert with_checkpoints == without - model_bytes.param_bytes - model_bytes.optimizer_state_bytes > 0
