@@ -986,7 +986,8 @@ def fine_tune(args, tried=(), write=True):
             result.update(seq_len_search(args, train_step, phase, config.vocab_size, device))
             row = result["seq_len_search"]["results"][-1]
             row["memory_plan"] = plan_record(plan)
-            if row["status"] == "trained" and (held := host_bytes_held(offloader, optimizers)):
+            offload = offloader.report() if offloader is not None else None
+            if row["status"] == "trained" and (held := host_bytes_held(offload, optimizers)):
                 row["host_gib"] = held / 2**30
             if row["status"] == "out of memory" and args.memory_plan == "auto":  # main tries the next plan
                 raise torch.OutOfMemoryError(f"in the {row['phase']}, at a peak of {row['peak_gib']:.1f} GiB")
@@ -997,7 +998,7 @@ def fine_tune(args, tried=(), write=True):
             result.update(train(args, step_function, model_with_loss, optimizers, schedulers, batches, start_step,
                                 variant, rank, world_size))
             result["offload"] = offloader.report() if offloader is not None else None
-            result["host_gib"] = host_bytes_held(offloader, optimizers) / 2**30
+            result["host_gib"] = host_bytes_held(result["offload"], optimizers) / 2**30
             if result["offload"]:
                 print(f"offload         : {result['offload']['host_bytes'] / 2**30:.2f} GiB of layer inputs on the "
                       f"host ({result['offload']['layers']} layers)")
@@ -1686,9 +1687,10 @@ def keep_attention_outputs(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def host_bytes_held(offloader, optimizers):
-    """Bytes the run keeps in host memory: the offloaded layer inputs of the last step and the optimizer's moments."""
-    return ((offloader.report()["host_bytes"] if offloader is not None else 0)
+def host_bytes_held(offload, optimizers):
+    """Bytes the run keeps in host memory: the offloaded layer inputs of the last step (offload: the offloader's
+    report, or None) and the optimizer's moments."""
+    return ((offload or {}).get("host_bytes", 0)
             + sum(optimizer.host_bytes() for optimizer in optimizers if isinstance(optimizer, OffloadedAdamW)))
 
 
