@@ -163,7 +163,7 @@ def build_parser():
         help="float8 training (torchao, float8_training.py) of every Linear in the decoder layers, each layer "
              "compiled so the casts fuse; not the lm_head, whose matmul is inside the fused loss. rowwise: a scale "
              "per row (more accurate); tensorwise: one per tensor (faster); rowwise_with_gw_hp: rowwise with the "
-             "weight gradient's matmul in bf16; tensorwise_e4m3: tensorwise with the gradients in e4m3. Needs a GPU of compute capability 8.9+ (H100) and --loss linear_ce")
+             "weight gradient's matmul in bf16. Needs a GPU of compute capability 8.9+ (H100) and --loss linear_ce")
     add("--fp8-keep-bf16", nargs="+", default=[], metavar="NAME",
         help="with --fp8: decoder Linears left in bf16 in every layer, by name (e.g. k_proj v_proj)")
     # -- optimized only: memory --------------------------------------------------------------------------------------

@@ -34,10 +34,6 @@ Rowwise or tensorwise (torchao's recipes)
   somewhat slower recipe; which wins end to end is what the measurement says.
 - rowwise_with_gw_hp: rowwise, but the weight gradient's matmul (dy.T @ x, summed over all tokens, where rounding
   errors add up most) stays in bf16: a third of the float8 gain given back for accuracy.
-- tensorwise_e4m3 (ours, built from torchao's CastConfig): tensorwise, but the gradients are cast to e4m3 as well.
-  e5m2's 2 mantissa bits round a gradient by up to 12.5 %; its extra exponent range matters little once a dynamic
-  scale has moved the tensor's largest value to the top of the format. The same casts and FP8 matmuls as tensorwise,
-  so the same speed; with e4m3's narrower range, gradients 2^15 below the tensor's largest lose bits (e5m2: 2^30).
 
 Which layers
 ------------
@@ -83,9 +79,7 @@ from pathlib import Path
 
 import torch
 
-TORCHAO_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
-# Ours beside torchao's three: tensorwise with the gradients in e4m3 too (see "Rowwise or tensorwise" above).
-RECIPES = (*TORCHAO_RECIPES, "tensorwise_e4m3")
+RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
 MIN_CAPABILITY = (8, 9)  # the first NVIDIA GPUs with FP8 tensor cores (Ada; Hopper is 9.0)
 # torchao 0.17+ is built against torch's stable ABI; the pinned 0.18 is built and tested for torch 2.11 and newer
 MIN_TORCH = (2, 11)
@@ -127,8 +121,7 @@ def fp8_problem(args, cuda_capability):
     except ImportError as err:  # before the recipes had names (or a broken install: the error says which)
         return f"--fp8 {args.fp8}: torchao {version} has no float8 recipes ({err}); pip install -r requirements.txt"
     recipes = [recipe.value for recipe in Float8LinearRecipeName]
-    torchao_recipe = "tensorwise" if args.fp8 == "tensorwise_e4m3" else args.fp8  # ours changes torchao's tensorwise
-    if torchao_recipe not in recipes or not hasattr(Float8LinearConfig, "from_recipe_name"):
+    if args.fp8 not in recipes or not hasattr(Float8LinearConfig, "from_recipe_name"):
         return (f"--fp8 {args.fp8}: torchao {version} is too old for this recipe (its recipes: {', '.join(recipes)}); "
                 f"pip install -r requirements.txt")
     return None
@@ -150,24 +143,13 @@ def is_decoder_linear(module, fqn):
     return isinstance(module, torch.nn.Linear) and fqn.startswith("model.layers.")
 
 
-def float8_config(recipe, emulate=False):
-    """torchao's Float8LinearConfig of `recipe`. emulate: the same casts, the matmuls in high precision (the CPU)."""
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.config import CastConfig
-    if recipe == "tensorwise_e4m3":  # torchao's tensorwise (its defaults) but for the gradients' dtype
-        config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))
-    else:
-        config = Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, emulate=True) if emulate else config
-
-
 def convert_decoder_linears(model, recipe, emulate=False, keep_bf16=()):
     """Swaps every Linear of the decoder layers for torchao's float8 training Linear of `recipe` (the same weight
     Parameter: the optimizer, checkpoints and save_pretrained see the same model); returns how many. emulate: torchao's
     emulation, the same casts with the matmuls in high precision (the CPU tests). keep_bf16: names of Linears
     (k_proj, v_proj, ...) left as they are in every layer, where the casts may cost more than the faster matmul saves
     (torchao's own size filter leaves Llama-3.1-8B's k_proj and v_proj, 1024 outputs, in bf16)."""
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def converts(module, fqn):
         return is_decoder_linear(module, fqn) and fqn.rsplit(".", 1)[-1] not in keep_bf16
@@ -187,7 +169,9 @@ def convert_decoder_linears(model, recipe, emulate=False, keep_bf16=()):
         if odd:
             raise SystemExit(f"error: --fp8: {odd}: the FP8 matmul needs sizes that are multiples of "
                              f"{FP8_MATMUL_MULTIPLE}")
-    convert_to_float8_training(model, module_filter_fn=converts, config=float8_config(recipe, emulate))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, emulate=True) if emulate else config
+    convert_to_float8_training(model, module_filter_fn=converts, config=config)
     # A plain Linear left in a layer (other than those kept), or none converted, is an error, not a bf16 run under an
     # fp8 name.
     converted = [sum(isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear for m in layer.modules())
