@@ -392,10 +392,10 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100, 
     Same semantics, errors and fp32 loss as `cross_entropy` (including NaN for a mean over no rows). Gradients flow to
     hidden, weight and bias as far as they require grad (a frozen weight, as in LoRA, costs no dW matmul).
     chunk_size = rows per chunk; by default LCE_CHUNK_ROWS, fewer where they would hold more than LCE_CHUNK_BUDGET_BYTES
-    of logits (a multiple of 64 rows). For
-    mean/sum the gradients are computed in this call (its backward only scales them); for "none" the backward
-    recomputes the chunks. The extras are those of `cross_entropy`, the class weights named ce_weight (as in Liger's
-    fused linear cross-entropy); the token accuracy and predicted tokens come without the logits ever being held.
+    of logits (a multiple of 64 rows). For mean/sum the gradients are computed in this call (its backward only scales
+    them); for "none" the backward recomputes the chunks. The extras are those of `cross_entropy`, the class weights
+    named ce_weight (as in Liger's fused linear cross-entropy); the token accuracy and predicted tokens come without the
+    logits ever being held.
     Two more options with Liger's names and meaning: accum_dtype=torch.float32 sums dW over the chunks in fp32 and
     rounds it to the weight's dtype once (None: in the weight's dtype, one rounding per chunk); use_token_scaling=True
     multiplies each row's loss, z-loss and gradient by the softmax probability of its target (after the softcap),
