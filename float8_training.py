@@ -73,6 +73,7 @@ of the smoothed fp8 curve from bf16's (`max_smoothed_rel_gap`), with a PNG of bo
 import dataclasses
 import importlib.metadata
 import json
+import random
 import sys
 import sysconfig
 from pathlib import Path
@@ -198,12 +199,19 @@ SAME_RUN_OPTIONS = ("model", "data", "seed", "steps", "batch_size", "seq_len", "
                     "warmup_steps", "max_grad_norm", "dtype")
 
 
+# The order of the corpus' files: the same on every machine whose standard library has the same files.
+CORPUS_SEED = 0
+
+
 def write_corpus(path):
-    """The standard library's .py sources (this interpreter's, sorted by path) as one UTF-8 text file; returns its size
-    in bytes."""
+    """The standard library's .py sources (this interpreter's) as one UTF-8 text file, the files in a fixed shuffled
+    order; returns its size in bytes. Shuffled because the fine-tune scripts read text in order and do not shuffle: in
+    path order the first hundred steps would see only a few packages, and the loss curve would follow which files come
+    up (easy ones dip it, hard ones lift it) rather than what the model learns."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    sources = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(root.rglob("*.py"))
-               if "site-packages" not in p.parts and "test" not in p.parts]
+    paths = [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts and "test" not in p.parts]
+    random.Random(CORPUS_SEED).shuffle(paths)
+    sources = [p.read_text(encoding="utf-8", errors="replace") for p in paths]
     text = "\n".join(sources)
     Path(path).write_text(text, encoding="utf-8")
     return len(text.encode("utf-8"))

@@ -343,16 +343,24 @@ def test_compare_refuses_runs_that_differ(tmp_path, option, value):
         float8_training.compare_runs(*runs, 2)
 
 
-def test_corpus_is_the_standard_library_source(tmp_path):
-    path = tmp_path / "stdlib.txt"
-    size = float8_training.write_corpus(path)
-    text = path.read_text(encoding="utf-8")
+def test_corpus_is_the_standard_library_source_in_a_fixed_shuffled_order(tmp_path):
+    first, again = tmp_path / "stdlib.txt", tmp_path / "again.txt"
+    size = float8_training.write_corpus(first)
+    float8_training.write_corpus(again)
+    text = first.read_text(encoding="utf-8")
     assert size > 2**20 and "def " in text and "import " in text
+    assert again.read_bytes() == first.read_bytes()  # the same order on every call: parity runs read the same text
+    root = Path(float8_training.sysconfig.get_paths()["stdlib"])
+    in_path_order = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(root.rglob("*.py"))
+                     if "site-packages" not in p.parts and "test" not in p.parts]
+    starts = [text.find(source[:2000]) for source in in_path_order if len(source) > 2000][:50]
+    assert starts != sorted(starts)  # not path order: the first files do not come first, in turn
 
 
-def test_llama_small_suits_the_fp8_matmul():
+@pytest.mark.parametrize("name", ["llama-small", "llama-3.2-1b"])
+def test_parity_models_suit_the_fp8_matmul(name):
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(ROOT / "configs" / "llama-small")
+    config = AutoConfig.from_pretrained(ROOT / "configs" / name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     shapes = [m.weight.shape for name, m in model.named_modules() if float8_training.is_decoder_linear(m, name)]
