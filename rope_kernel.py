@@ -53,6 +53,7 @@ import contextlib
 import functools
 import os
 import sys
+import types
 
 import torch
 
@@ -471,6 +472,57 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
                               f"([batch, tokens, heads, head_dim])")
 
 
+class SplitQKVFunction(torch.autograd.Function):
+    """SplitQKVFunction.apply(qkv, sizes): the column blocks of one fused projection's output, qkv [..., sum(sizes)],
+    as views (Phi-3's q, k and v). Phi3Attention takes them by indexing qkv three times; each index's backward writes
+    its gradient into a zeroed buffer of qkv's full size, and autograd adds the three: seven full-size passes over
+    [tokens, (n_q_heads + 2 n_kv_heads) x head_dim] per layer. This backward is one cat of the three gradients."""
+
+    @staticmethod
+    def forward(ctx, qkv, sizes):
+        ctx.sizes = sizes
+        return qkv.split(sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # A block that got no gradient (an output unused in the loss) contributes zeros, as indexing's backward does.
+        like = next(g for g in grads if g is not None)
+        grads = [torch.zeros(*like.shape[:-1], size, dtype=like.dtype, device=like.device) if g is None else g
+                 for g, size in zip(grads, ctx.sizes)]
+        return torch.cat(grads, dim=-1), None
+
+
+def split_qkv(qkv, sizes):
+    """qkv.split(sizes, dim=-1), differentiable with one cat as the backward (see SplitQKVFunction). Under
+    torch.compile the plain split: the compiler plans the gradient's buffer itself."""
+    if torch.compiler.is_compiling():
+        return qkv.split(sizes, dim=-1)
+    return SplitQKVFunction.apply(qkv, tuple(sizes))
+
+
+def phi3_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    """Phi3Attention.forward of transformers 5.x with q, k and v taken from qkv_proj's output by split_qkv instead of
+    three indexings, and the fused RoPE (the modeling module's apply_rotary_pos_emb, patched by apply_rope). The rest,
+    line for line transformers': the attention implementation the config names, o_proj."""
+    modeling = sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q_size = self.config.num_attention_heads * self.head_dim
+    kv_size = self.num_key_value_heads * self.head_dim
+    query, key, value = (t.view(hidden_shape).transpose(1, 2)
+                         for t in split_qkv(self.qkv_proj(hidden_states), (q_size, kv_size, kv_size)))
+    cos, sin = position_embeddings
+    query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                               modeling.eager_attention_forward)
+    output, weights = attention(self, query, key, value, attention_mask,
+                                dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                                sliding_window=getattr(self.config, "sliding_window", None), **kwargs)
+    return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
 # The attention class of each supported model family (transformers' config.model_type). Each family's modeling file
 # has its own module-level copy of apply_rotary_pos_emb, with LLaMA's signature and math, which its attention looks up
 # at call time.
@@ -485,7 +537,7 @@ def apply_rope(model):
 
     The patch replaces the name `apply_rotary_pos_emb` in the family's modeling module, so it is process-wide: every
     model of that family in this process, built before or after, uses the kernel (to undo it, assign the original
-    back). A model of another family, an attention count that differs from the config's layer count, an odd head_dim
+    back). Phi-3's attention modules of this model also get phi3_attention_forward (its fused q/k/v split). A model of another family, an attention count that differs from the config's layer count, an odd head_dim
     or a partial rotation (partial_rotary_factor < 1) raises ValueError before anything is patched."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -505,6 +557,9 @@ def apply_rope(model):
     if partial != 1.0:
         raise ValueError(f"apply_rope: partial_rotary_factor {partial}: the fused kernel rotates whole heads")
     sys.modules[type(attention[0]).__module__].apply_rotary_pos_emb = apply_rotary_pos_emb
+    if family == "phi3":  # its fused q/k/v projection is split by split_qkv (per module: this model only)
+        for module in attention:
+            module.forward = types.MethodType(phi3_attention_forward, module)
     return len(attention)
 
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import rope_kernel  # sets TRITON_INTERPRET=1 before importing triton when there is no GPU
-from rope_kernel import apply_rope, apply_rotary_pos_emb, rope_backward, rope_forward
+from rope_kernel import apply_rope, apply_rotary_pos_emb, rope_backward, rope_forward, split_qkv
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402  (after the kernel module: Triton set-up)
 from transformers.models.llama import modeling_llama  # noqa: E402
@@ -443,6 +443,28 @@ def test_patch_llama(dtype_name):
             r = reference_run[name]
             assert _relative_error(o, r) <= 2 * _relative_error(e, r) + 1e-3, (
                 f"{name}: relative error {_relative_error(o, r):.2e} vs eager's {_relative_error(e, r):.2e}")
+
+
+@pytest.mark.parametrize("used", ["qkv", "qk", "v"])
+def test_split_qkv(used):
+    """split_qkv: the same views as indexing the fused projection's output, and the same gradient (a block whose
+    output the loss does not use gets zeros, as indexing gives), through one cat instead of three zero-filled
+    buffers; odd block sizes, a 3-D input."""
+    seed_for("split_qkv", used)
+    sizes = (24, 10, 10)
+    qkv = torch.randn(2, 5, sum(sizes), device=DEVICE, dtype=torch.float64)
+    weights = {name: torch.randn(2, 5, size, device=DEVICE, dtype=torch.float64) for name, size in zip("qkv", sizes)}
+
+    def run(split):
+        leaf = qkv.clone().requires_grad_()
+        blocks = dict(zip("qkv", split(leaf)))
+        sum((blocks[name] * weights[name]).sum() for name in used).backward()
+        return [b.detach() for b in blocks.values()], leaf.grad
+
+    blocks, grad = run(lambda t: split_qkv(t, sizes))
+    blocks_ref, grad_ref = run(lambda t: (t[..., :24], t[..., 24:34], t[..., 34:]))
+    assert all(torch.equal(b, r) for b, r in zip(blocks, blocks_ref))
+    assert torch.equal(grad, grad_ref) and grad.abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -620,10 +620,55 @@ class TritonGemmaMLP(_TritonGatedMLP):
         return cls._wrap("from_gemma_mlp", "GemmaMLP", mlp)
 
 
+class GateUpSwiGLUFunction(torch.autograd.Function):
+    """GateUpSwiGLUFunction.apply(gate_up): silu(gate) * up of [gate | up] = gate_up, the output of one fused gate_up
+    projection, with the in-place backward. Taking the two halves apart outside (gate_up.chunk) would make autograd
+    put their gradients back together with chunk's backward, a cat: a copy of the whole [tokens, 2 x intermediate]
+    gradient into a new buffer. Here the kernel writes dgate and dup over the two halves of gate_up, which is then
+    gate_up's gradient exactly as it lies: no cat, no new buffer."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)  # views: each row of a half is strided by 2 x intermediate
+        out = _glu_forward("swiglu", gate, up, "silu", 1.0, None, None)
+        ctx.save_for_backward(gate_up)
+        ctx.backward_done = False
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.backward_done:
+            raise RuntimeError("swiglu_gate_up overwrote its saved gate_up with its gradient in the first backward; "
+                               "recompute the forward instead of using retain_graph=True")
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        dgate, dup = _glu_backward("swiglu_backward", gate, up, dy, "silu", 1.0, True, None, None)
+        ctx.backward_done = True
+        if dgate is not gate:  # no row view of the halves to write through (e.g. a transposed gate_up): fresh buffers
+            return torch.cat([dgate, dup], dim=-1)
+        torch.autograd.graph.increment_version(gate_up)  # it holds gradients now (see SwiGLUFunction.backward)
+        return gate_up
+
+
+def swiglu_gate_up(gate_up):
+    """silu(gate) * up for [gate | up] = gate_up [..., 2 x intermediate] (Phi-3's fused projection), differentiable,
+    with the gradient written over gate_up itself: swiglu(*gate_up.chunk(2, -1), inplace_backward=True) without the
+    copy that putting the halves' gradients back together costs. The in-place contract of `swiglu` holds for gate_up.
+    Under torch.compile it is that chunk and the swiglu operator: the compiler plans the gradient's buffer itself."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_gate_up: the last dimension holds [gate | up] and must be even, got "
+                         f"{tuple(gate_up.shape)}")
+    if torch.compiler.is_compiling():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.ops.playbook.swiglu(gate, up, True, 1.0, "silu")
+    return GateUpSwiGLUFunction.apply(gate_up)
+
+
 class TritonPhi3MLP(torch.nn.Module):
     """down_proj(swiglu(gate, up)) with [gate | up] = gate_up_proj(x): Phi3MLP, whose gate and up projections are one
     Linear of 2 x intermediate outputs, with the elementwise middle fused. The kernel reads the two halves where they
-    lie (each row of one half is strided by 2 x intermediate), so splitting them copies nothing."""
+    lie (each row of one half is strided by 2 x intermediate) and writes their gradients back over them, so neither
+    splitting the output nor joining the gradients copies anything (swiglu_gate_up)."""
 
     def __init__(self, gate_up_proj, down_proj):
         super().__init__()
@@ -644,9 +689,8 @@ class TritonPhi3MLP(torch.nn.Module):
         return new
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place as in _TritonGatedMLP: the halves exist only here, and the gradients go over them.
-        return self.down_proj(_glu(gate, up, "silu", 1.0, inplace_backward=True))
+        # In place as in _TritonGatedMLP: the projection's output exists only here, and its gradient goes over it.
+        return self.down_proj(swiglu_gate_up(self.gate_up_proj(x)))
 
 
 def _replace_mlps(who, model, expected, class_names, wrap):
