@@ -38,6 +38,7 @@ FAMILIES = {"llama": ("tiny", 2, "TritonLlamaMLP"), "mistral": ("tiny-mistral", 
             "gemma2": ("tiny-gemma2", 4, "TritonGemmaMLP"), "gemma3_text": ("tiny-gemma3", 6, "TritonGemmaMLP"),
             "phi3": ("tiny-phi3", 2, "TritonPhi3MLP")}
 BATCH, TOKENS = 2, 24  # 24 > the tiny Gemma/Phi-3 sliding windows (16): the windowed layers really mask
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernels run: the GPU when there is one
 
 
 def build(folder, seed=0):
@@ -55,7 +56,7 @@ def build(folder, seed=0):
                 p.add_(torch.rand(p.shape, generator=generator) - 0.5)
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) * 2 / p.shape[-1] ** 0.5)
-    return model
+    return model.to(DEVICE)
 
 
 def stock_loss(model, input_ids, labels):
@@ -92,8 +93,8 @@ def test_patched_family_matches_stock(family, restore_rope):
     folder, norms_per_layer, mlp_class = FAMILIES[family]
     torch.manual_seed(1)  # fresh inputs, no token the vocabulary lacks
     config = AutoConfig.from_pretrained(ROOT / "configs" / folder)
-    input_ids = torch.randint(0, config.vocab_size, (BATCH, TOKENS))
-    labels = torch.randint(0, config.vocab_size, (BATCH, TOKENS))
+    input_ids = torch.randint(0, config.vocab_size, (BATCH, TOKENS), device=DEVICE)
+    labels = torch.randint(0, config.vocab_size, (BATCH, TOKENS), device=DEVICE)
     losses, grads = {}, {}
 
     def run(name, model, loss_fn):
