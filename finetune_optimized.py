@@ -1174,16 +1174,19 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
 
 def measure_model_bytes(args, model, model_with_loss, device):
     """ModelBytes for the estimate: counts from the config, and what a decoder layer keeps per token from two probe
-    forwards (grad mode on, no lever) at 1024 and 2048 tokens on the GPU: the difference of their peaks over the
-    difference of their tokens is the per-token part alone, free of what the forward holds whatever the length
-    (the fused linear cross-entropy's lm_head gradient, its chunk of logits). Without a GPU the per-token part is
+    forwards (grad mode on, no lever) at 1024 and 2048 tokens on the GPU, after an unmeasured one: the difference of
+    their peaks over the difference of their tokens is the per-token part alone, free of what the forward holds
+    whatever the length (the fused linear cross-entropy's lm_head gradient, its chunk of logits). Without a GPU the per-token part is
     counted from the config: a LLaMA layer keeps about 8 hidden-sized and 3 intermediate-sized tensors per token (its
     norms' inputs, q, k, v, attention's output, o_proj's input, the MLP's gate, up and their product)."""
     config = model.config
     itemsize = next(model.parameters()).element_size()
     if HAS_CUDA and args.memory_plan == "auto" and not args.cuda_graph:
         peaks = {}
-        for tokens in (1024, 2048):
+        # The first forward is not measured (the second 1024 overwrites it): one-time allocations, such as cuBLAS's
+        # workspace (32 MiB on Hopper) made at the first matmul, would land in the first probe's peak and not in the
+        # second's, and take 32 MiB / 1024 off the per-token figure (for a tiny model, more than it keeps).
+        for tokens in (1024, 1024, 2048):
             probe = torch.randint(0, config.vocab_size, (1, tokens), device=device)
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)

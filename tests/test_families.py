@@ -165,8 +165,10 @@ def test_both_scripts_train_a_family_from_its_builtin_config(family, tmp_path):
     results = {}
     for script in ("finetune_baseline.py", "finetune_optimized.py"):
         out = tmp_path / f"{script}.json"
+        # fp32 on any device: in bf16 (the GPU's default) the fused kernels' first loss differs from stock's by more
+        # than the bound below, by rounding alone
         proc = run(script, "--model", family, "--steps", "2", "--seq-len", "16", "--attn-implementation", "eager",
-                   "--out", str(out))
+                   "--dtype", "fp32", "--out", str(out))
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "RANDOM weights" in proc.stdout or "random weights" in proc.stdout
         results[script] = json.loads(out.read_text())
