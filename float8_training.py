@@ -64,11 +64,14 @@ seed and data. The text to learn is the Python standard library's own source (ev
 tokenizer the scripts train on its UTF-8 bytes), the model configs/llama-small (small enough for 300 steps in
 minutes):
     python float8_training.py --write-corpus stdlib.txt
-    python finetune_optimized.py --model llama-small --data stdlib.txt --steps 300 --seq-len 2048 --lr 3e-4 \
-        --lr-scheduler cosine --warmup-steps 30 --out bf16.json                  # and again with --fp8 rowwise
-    python float8_training.py --compare bf16.json fp8.json --out results/fp8_loss_parity_h100.json
+    python finetune_optimized.py --model llama-small --data stdlib.txt --steps 300 --batch-size 4 --seq-len 2048 \
+        --lr 1e-4 --lr-scheduler cosine --warmup-steps 30 --out bf16.json   # again with --fp8 tensorwise (or rowwise)
+    python float8_training.py --compare bf16.json fp8.json --out results/fp8_loss_parity_tensorwise_h100.json
 The comparison smooths both curves with a trailing mean over --window steps (20) and reports the largest relative gap
-of the smoothed fp8 curve from bf16's (`max_smoothed_rel_gap`), with a PNG of both curves beside the JSON.
+of the smoothed fp8 curve from bf16's (`max_smoothed_rel_gap`), with a PNG of both curves beside the JSON. The same
+comparison of the bf16 run with a `--compile` run of it (other kernels, other rounding, the same math) gives the
+noise floor: how far two runs drift apart from rounding alone. It grows with the learning rate, and a gap is worth
+reading only well above it.
 """
 import dataclasses
 import importlib.metadata
