@@ -666,6 +666,10 @@ def _install_wheel(wheel, site):
 
 
 def _our_commit():
+    """This checkout's HEAD (+uncommitted where tracked files changed); GIT_COMMIT and GIT_DIRTY, where set, name the
+    commit of a copied tree instead, as the fine-tune scripts read them (a copy on a GPU box may carry a stale .git)."""
+    if "GIT_COMMIT" in os.environ:
+        return os.environ["GIT_COMMIT"] + ("+uncommitted" if os.environ.get("GIT_DIRTY", "0") != "0" else "")
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
