@@ -22,14 +22,16 @@ import copy
 import json
 import math
 import sys
+import types
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 import finetune_optimized as plan_module  # noqa: E402
 from finetune_optimized import (MemoryPlan, OffloadedAdamW, choose_plan, estimate_peak_bytes,  # noqa: E402
                                 fitting_plans, llama_param_counts, probe_model_bytes)
@@ -108,6 +110,38 @@ def test_probe_recovers_layer_bytes_and_computes_the_exact_parts():
     assert model_bytes.optimizer_state_bytes == 2 * model_bytes.param_bytes
     with pytest.raises(ValueError, match="less than one layer's input"):  # e.g. a probe run with checkpointing
         probe_model_bytes(config, 10**9 + 4096 * 40_000, 10**9, 4096, param_itemsize=2, optimizer_state_itemsize=2)
+
+
+def test_the_probe_leaves_one_time_allocations_out(monkeypatch):
+    """On a GPU the first forward of a process also allocates what stays allocated for good (cuBLAS's workspace, 32 MiB
+    on Hopper, at the first matmul). measure_model_bytes measures the forwards after an unmeasured one, so the
+    per-token figure is what a layer keeps, also for a tiny model that keeps far less than 32 MiB per 1024 tokens.
+    Simulated on the CPU: fake memory counters, and a forward that moves them as a model would."""
+    config = AutoConfig.from_pretrained(ROOT / "configs" / "tiny")
+    model = LlamaForCausalLM(config)
+    itemsize = next(model.parameters()).element_size()
+    layer_bytes, fixed_bytes = 40 * config.hidden_size * itemsize, 3 * 2**20
+    per_token = config.num_hidden_layers * layer_bytes + 2 * config.hidden_size * itemsize + 4  # layers + the loss's
+    memory = {"allocated": 10**9, "peak": 10**9, "forwards": 0}
+
+    def forward(input_ids, shift_labels):
+        if memory["forwards"] == 0:
+            memory["allocated"] += 32 * 2**20  # the workspace: allocated at the first matmul, never freed
+        memory["forwards"] += 1
+        peak = memory["allocated"] + fixed_bytes + input_ids.shape[-1] * per_token
+        memory["peak"] = max(memory["peak"], peak)
+        return torch.zeros(()), None
+
+    monkeypatch.setattr(plan_module, "HAS_CUDA", True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: memory.update(peak=memory["allocated"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory["peak"])
+    args = types.SimpleNamespace(memory_plan="auto", cuda_graph=False)
+    model_bytes = plan_module.measure_model_bytes(args, model, forward, "cpu")
+    assert model_bytes.layer_bytes_per_token == pytest.approx(layer_bytes)
+    assert model_bytes.loss_fixed_bytes == pytest.approx(fixed_bytes, abs=1)
 
 
 def test_calibration_reproduces_the_h100_figures(llama8b):
