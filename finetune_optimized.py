@@ -1176,9 +1176,10 @@ def measure_model_bytes(args, model, model_with_loss, device):
     """ModelBytes for the estimate: counts from the config, and what a decoder layer keeps per token from two probe
     forwards (grad mode on, no lever) at 1024 and 2048 tokens on the GPU, after an unmeasured one: the difference of
     their peaks over the difference of their tokens is the per-token part alone, free of what the forward holds
-    whatever the length (the fused linear cross-entropy's lm_head gradient, its chunk of logits). Without a GPU the per-token part is
-    counted from the config: a LLaMA layer keeps about 8 hidden-sized and 3 intermediate-sized tensors per token (its
-    norms' inputs, q, k, v, attention's output, o_proj's input, the MLP's gate, up and their product)."""
+    whatever the length (the fused linear cross-entropy's lm_head gradient, its chunk of logits). Without a GPU the
+    per-token part is counted from the config: a LLaMA layer keeps about 8 hidden-sized and 3 intermediate-sized
+    tensors per token (its norms' inputs, q, k, v, attention's output, o_proj's input, the MLP's gate, up and their
+    product)."""
     config = model.config
     itemsize = next(model.parameters()).element_size()
     if HAS_CUDA and args.memory_plan == "auto" and not args.cuda_graph:

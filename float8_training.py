@@ -206,13 +206,18 @@ SAME_RUN_OPTIONS = ("model", "data", "seed", "steps", "batch_size", "seq_len", "
 CORPUS_SEED = 0
 
 
+def corpus_files():
+    """The standard library's .py files (this interpreter's, without its tests and site-packages), in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts and "test" not in p.parts]
+
+
 def write_corpus(path):
     """The standard library's .py sources (this interpreter's) as one UTF-8 text file, the files in a fixed shuffled
     order; returns its size in bytes. Shuffled because the fine-tune scripts read text in order and do not shuffle: in
     path order the first hundred steps would see only a few packages, and the loss curve would follow which files come
     up (easy ones dip it, hard ones lift it) rather than what the model learns."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts and "test" not in p.parts]
+    paths = corpus_files()
     random.Random(CORPUS_SEED).shuffle(paths)
     sources = [p.read_text(encoding="utf-8", errors="replace") for p in paths]
     text = "\n".join(sources)

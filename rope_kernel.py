@@ -537,8 +537,9 @@ def apply_rope(model):
 
     The patch replaces the name `apply_rotary_pos_emb` in the family's modeling module, so it is process-wide: every
     model of that family in this process, built before or after, uses the kernel (to undo it, assign the original
-    back). Phi-3's attention modules of this model also get phi3_attention_forward (its fused q/k/v split). A model of another family, an attention count that differs from the config's layer count, an odd head_dim
-    or a partial rotation (partial_rotary_factor < 1) raises ValueError before anything is patched."""
+    back). Phi-3's attention modules of this model also get phi3_attention_forward (its fused q/k/v split). A model
+    of another family, an attention count that differs from the config's layer count, an odd head_dim or a partial
+    rotation (partial_rotary_factor < 1) raises ValueError before anything is patched."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
     if family not in ROPE_FAMILIES:
