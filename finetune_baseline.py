@@ -388,12 +388,13 @@ def apply_liger(model):
 
 
 def compute_loss(model, input_ids, shift_labels, loss_impl):
-    """(loss, token accuracy): the fraction of non-ignored positions whose most likely token is the label, or None
-    where no logits exist to take it from (Liger's fused loss)."""
+    """(loss, token accuracy): the fraction of non-ignored positions whose most likely token is the label."""
     if loss_impl == "liger":
-        # Liger's fused linear cross-entropy lives in its patched forward, which only takes that path when it is given
-        # labels in training mode; shift_labels is transformers' own keyword for already-shifted labels.
-        return model(input_ids=input_ids, shift_labels=shift_labels).loss, None
+        # Liger's fused linear cross-entropy lives in its patched forward, which takes that path when it is given
+        # labels (shift_labels: transformers' keyword for already-shifted ones) and skip_logits, also in evaluation.
+        # Its kernel finds the token accuracy in the same pass when asked (what TRL passes to log it).
+        out = model(input_ids=input_ids, shift_labels=shift_labels, skip_logits=True, return_token_accuracy=True)
+        return out.loss, out.token_accuracy
     logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype
     # transformers' ForCausalLMLoss: upcast the logits to fp32, mean over the non-ignored tokens.
     loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=-100)
@@ -421,11 +422,11 @@ def evaluate(model_with_loss, batches, world_size):
     model_with_loss.eval()
     results = [model_with_loss(input_ids, shift_labels_of(input_ids)) for input_ids in batches]
     model_with_loss.train()
-    means = [torch.stack([r[i].float() for r in results]).mean() if results[0][i] is not None else None for i in (0, 1)]
+    means = [torch.stack([result[i].float() for result in results]).mean() for i in (0, 1)]
     if world_size > 1:
-        for mean in (mean for mean in means if mean is not None):  # not filter(None): an accuracy of 0 is falsy
+        for mean in means:
             dist.all_reduce(mean.div_(world_size))
-    return [None if mean is None else mean.item() for mean in means]
+    return [mean.item() for mean in means]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -703,7 +704,7 @@ def fine_tune(argv=None):
 
     def train_step(micro_batches):
         """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss, the
-        token accuracy (None where the loss does not give it) and the gradient norm, as device tensors: no host sync."""
+        token accuracy and the gradient norm (None without clipping), as device tensors: no host sync."""
         step_loss, step_accuracy = 0.0, 0.0
         for input_ids in micro_batches:
             phase["now"] = "forward"
@@ -711,7 +712,7 @@ def fine_tune(argv=None):
             phase["now"] = "backward"
             (loss / len(micro_batches)).backward()
             step_loss = step_loss + loss.detach() / len(micro_batches)
-            step_accuracy = None if accuracy is None else step_accuracy + accuracy / len(micro_batches)
+            step_accuracy = step_accuracy + accuracy / len(micro_batches)
         phase["now"] = "optimizer step"
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm
                      else None)
@@ -721,7 +722,7 @@ def fine_tune(argv=None):
             scheduler.step()
         phase["now"] = "idle"
         if args.fsdp:  # the global batch's figures: the mean over ranks (a collective, not a host sync)
-            for value in filter(lambda v: v is not None, (step_loss, step_accuracy)):
+            for value in (step_loss, step_accuracy):
                 dist.all_reduce(value.div_(world_size))  # sum of value / world_size (gloo has no AVG)
             if grad_norm is not None:  # clip_grad_norm_ of sharded gradients: a DTensor, the same on every rank
                 grad_norm = grad_norm.full_tensor()

@@ -503,11 +503,11 @@ def evaluate(model_with_loss, batches, world_size):
     model_with_loss.eval()
     results = [model_with_loss(input_ids, shift_labels_of(input_ids)) for input_ids in batches]
     model_with_loss.train()
-    means = [torch.stack([r[i].float() for r in results]).mean() if results[0][i] is not None else None for i in (0, 1)]
+    means = [torch.stack([result[i].float() for result in results]).mean() for i in (0, 1)]
     if world_size > 1:
-        for mean in (mean for mean in means if mean is not None):  # not filter(None): an accuracy of 0 is falsy
+        for mean in means:
             dist.all_reduce(mean.div_(world_size))
-    return [None if mean is None else mean.item() for mean in means]
+    return [mean.item() for mean in means]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -938,7 +938,7 @@ def fine_tune(args, tried=(), write=True):
 
     def train_step(micro_batches):
         """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss, the
-        token accuracy (None where the loss does not give it) and the gradient norm, as device tensors: no host sync."""
+        token accuracy and the gradient norm (None without clipping), as device tensors: no host sync."""
         if offloader is not None:
             offloader.new_step()
         step_loss, step_accuracy = 0.0, 0.0
@@ -948,7 +948,7 @@ def fine_tune(args, tried=(), write=True):
             phase["now"] = "backward" + " (with the optimizer steps inside)" * plan.optimizer_in_backward
             (loss / len(micro_batches)).backward()
             step_loss = step_loss + loss.detach() / len(micro_batches)
-            step_accuracy = None if accuracy is None else step_accuracy + accuracy / len(micro_batches)
+            step_accuracy = step_accuracy + accuracy / len(micro_batches)
         phase["now"] = "optimizer step"
         grad_norm = clip_gradients(args, model, optimizers, clip_in_backward)
         for optimizer, scheduler in zip(optimizers, schedulers):
@@ -957,7 +957,7 @@ def fine_tune(args, tried=(), write=True):
             scheduler.step()
         phase["now"] = "idle"
         if args.fsdp:  # the global batch's figures: the mean over ranks (a collective, not a host sync)
-            for value in filter(lambda v: v is not None, (step_loss, step_accuracy)):
+            for value in (step_loss, step_accuracy):
                 dist.all_reduce(value.div_(world_size))  # sum of value / world_size (gloo has no AVG)
             if grad_norm is not None:  # clip_grad_norm_ of sharded gradients: a DTensor, the same on every rank
                 grad_norm = grad_norm.full_tensor()
@@ -1229,7 +1229,11 @@ def make_optimizers(args, model, plan, capturable=False):
     the backward one AdamW per parameter stepped by a hook (its state on the host with offload_optimizer)."""
     adamw = dict(lr=args.lr, foreach=args.optimizer == "adamw_foreach", fused=args.optimizer == "adamw_fused")
     if not plan.optimizer_in_backward:
-        return [torch.optim.AdamW(model.parameters(), capturable=capturable, **adamw)], None
+        optimizer = torch.optim.AdamW(model.parameters(), capturable=capturable, **adamw)
+        # clip_in_fused_step hands each step its clipping factor as grad_scale: dropped once the step has read it, so
+        # no step's factor stays allocated through the next step's peak
+        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: setattr(optimizer, "grad_scale", None))
+        return [optimizer], None
     # the clipping hooks come first: a parameter's hooks run in the order they were registered
     clip = ClipInBackward(model, args.max_grad_norm) if args.max_grad_norm else None
     if plan.offload_optimizer:
