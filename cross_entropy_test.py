@@ -570,7 +570,8 @@ def test_bad_inputs():
 
 
 @pytest.mark.parametrize("module, argv", [(ck, ["--vocab", "0"]), (ck, ["--rows", "-1"]), (lce, ["--hidden", "0"]),
-                                          (lce, ["--vocab", "0"])], ids=["ce-vocab", "ce-rows", "lce-hidden", "lce-vocab"])
+                                          (lce, ["--vocab", "0"])],
+                         ids=["ce-vocab", "ce-rows", "lce-hidden", "lce-vocab"])
 def test_kernel_script_refuses_bad_sizes(module, argv, capsys):
     """Run as a script, a kernel file answers a size it cannot run with one usage error (exit code 2)."""
     with pytest.raises(SystemExit) as exit_info:

@@ -1127,7 +1127,8 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
     probe forwards at short lengths on the GPU; without a GPU they are counted from the config, and there is no GPU
     memory to plan for unless --memory-budget-gib names some: the levers given by hand are the plan."""
     n_layers, tokens = model.config.num_hidden_layers, args.batch_size * args.seq_len
-    for flag, value in (("offload-activations", args.offload_activations), ("checkpoint-layers", args.checkpoint_layers)):
+    for flag, value in (("offload-activations", args.offload_activations),
+                        ("checkpoint-layers", args.checkpoint_layers)):
         if value is not None and value > n_layers:
             raise SystemExit(f"error: --{flag} {value}: the model has {n_layers} decoder layers")
     nothing_to_plan_for = not HAS_CUDA and args.memory_budget_gib is None
@@ -1162,9 +1163,10 @@ def plan_memory(args, model, model_with_loss, device, tried=()):
         _, leanest = choose_plan(0, model_bytes, args.batch_size, args.seq_len, given, host)
         raise NoPlanFits(f"error: no memory plan fits {tokens} tokens per step in {budget / 2**30:.1f} GiB of "
                          f"{where}" + (f" after {len(tried)} ran out of memory" if tried else "")
-                         + f": the leanest ({leanest.describe()}) needs about {leanest.estimated_peak_bytes / 2**30:.1f}"
-                         f" GiB ({format_parts(leanest.estimated_parts)}) and {leanest.estimated_host_bytes / 2**30:.1f}"
-                         f" GiB of host memory ({host / 2**30:.1f} GiB usable). Shorter sequences or a larger GPU")
+                         + f": the leanest ({leanest.describe()}) needs about "
+                         f"{leanest.estimated_peak_bytes / 2**30:.1f} GiB ({format_parts(leanest.estimated_parts)}) "
+                         f"and {leanest.estimated_host_bytes / 2**30:.1f} GiB of host memory ({host / 2**30:.1f} GiB "
+                         f"usable). Shorter sequences or a larger GPU")
     plan = fitting[0]
     plan.reason = (f"{plan.describe()}: the fastest of {len(fitting)} plans that fit {budget / 2**30:.1f} GiB of "
                    f"{where} (estimated peak {plan.estimated_peak_bytes / 2**30:.1f} GiB: "

@@ -247,8 +247,8 @@ def compare_runs(reference, candidate, window):
     for name in SAME_RUN_OPTIONS:
         if reference["options"].get(name) != candidate["options"].get(name):
             raise SystemExit(f"error: --compare: the runs differ in --{name.replace('_', '-')} "
-                             f"({reference['options'].get(name)!r} and {candidate['options'].get(name)!r}): their losses "
-                             f"are not comparable")
+                             f"({reference['options'].get(name)!r} and {candidate['options'].get(name)!r}): their "
+                             f"losses are not comparable")
     curves = {"reference": reference["losses"], "candidate": candidate["losses"]}
     smooth = {key: smoothed(losses, window) for key, losses in curves.items()}
     gaps = [abs(c - r) / abs(r) for r, c in zip(smooth["reference"], smooth["candidate"])]

@@ -206,8 +206,9 @@ def _swiglu_backward_kernel(
     if ACTIVATION == "gelu_tanh":
         # The same with the GELU's slope s'(g). 1 - sigmoid(s) is computed as sigmoid(-s): 1 - sig cancels where sig
         # is near 1, and g * s' (10 to 35 for g between 3 and 5) would magnify the lost digits (one exp more costs
-        # nothing in a kernel that waits on memory). Beyond |g| = 20 the sigmoid is exactly 0 or 1 in fp32 and the term in g vanishes:
-        # clamping g there changes nothing, except that g * s' cannot overflow to inf (0 * inf would be NaN).
+        # nothing in a kernel that waits on memory). Beyond |g| = 20 the sigmoid is exactly 0 or 1 in fp32 and the
+        # term in g vanishes: clamping g there changes nothing, except that g * s' cannot overflow to inf (0 * inf
+        # would be NaN).
         g_clamped = tl.minimum(tl.maximum(g, -20.0), 20.0)
         slope = 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * g_clamped * g_clamped)
         dgate = dy * u * sig * (1.0 + g_clamped * (1.0 / (1.0 + tl.exp(s))) * slope)

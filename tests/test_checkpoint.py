@@ -115,7 +115,8 @@ def test_sigkill_while_writing_keeps_the_earlier_checkpoint(data, uninterrupted,
               "as script; save = script.dcp.{writer}\n"
               "def dying_save(state, checkpoint_id, **options):\n"
               "    if str(checkpoint_id).endswith('-4'):\n"
-              "        os.makedirs(checkpoint_id, exist_ok=True); open(os.path.join(checkpoint_id, 'half'), 'w').write('x')\n"
+              "        os.makedirs(checkpoint_id, exist_ok=True)\n"
+              "        open(os.path.join(checkpoint_id, 'half'), 'w').write('x')\n"
               "        os.kill(os.getpid(), signal.SIGKILL)\n"
               "    return save(state, checkpoint_id=checkpoint_id, **options)\n"
               "script.dcp.{writer} = dying_save; script.main(sys.argv[1:])")

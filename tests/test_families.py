@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402  (the kernels first: Triton's interpreter flag)
+# the kernels first: they set Triton's interpreter flag before anything else imports triton
+from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import RMSNORM_FAMILIES, TritonRMSNorm, apply_rmsnorm  # noqa: E402
 from rope_kernel import ROPE_FAMILIES, apply_rope, apply_rotary_pos_emb  # noqa: E402
 from swiglu_kernel import GLU_MLP_FAMILIES, apply_glu_mlp  # noqa: E402
@@ -186,9 +187,9 @@ def test_gemma2_attention_softcapping_needs_an_attention_that_applies_it():
     import finetune_optimized
     for module in (finetune_baseline, finetune_optimized):
         args = module.parse_args(["--model", "tiny-gemma2", "--attn-implementation", "sdpa"])
-        with pytest.raises(SystemExit, match=r"^error: --attn-implementation sdpa cannot apply gemma2's attention logit "
-                                             r"softcapping \(50\.0\); use eager or flex_attention or "
-                                             r"flash_attention_2$"):
+        expected = (r"^error: --attn-implementation sdpa cannot apply gemma2's attention logit softcapping \(50\.0\); "
+                    r"use eager or flex_attention or flash_attention_2$")
+        with pytest.raises(SystemExit, match=expected):
             module.load_model(args, "cpu", torch.float32)
 
 
