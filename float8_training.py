@@ -191,11 +191,14 @@ def compile_decoder_layers(model, backend):
     names), so the float8 casts between our kernels fuse. Compilation happens at the first forward, after the memory
     levers are in place; one graph serves every layer (the guards do not depend on which layer runs).
 
-    Rowwise scaling reduces each operand along the dimension its matmul sums over; for the weight gradient that is
-    across the tokens, a column reduction fused with a transposed float8 write, which inductor's default launch
-    configuration runs several times slower than a copy. Coordinate-descent tuning times neighbouring block sizes of
-    each generated kernel once, at its first compile, and keeps the fastest."""
-    options = {"coordinate_descent_tuning": True} if backend == "inductor" else None
+    Rowwise scaling reduces each operand along the dimension its matmul sums over; for the backward's operands that
+    is across the tokens: a column reduction fused with a transposed float8 write. With inductor's defaults such a
+    kernel runs several times slower than a copy. Three options make it fast: tile reductions and pointwise kernels
+    in two dimensions (tile_reductions, prefer_nd_tiling), so that both the reads along rows and the transposed writes
+    along columns are coalesced, and time neighbouring block sizes of each kernel once, at its first compile
+    (coordinate_descent_tuning)."""
+    options = ({"coordinate_descent_tuning": True, "triton.tile_reductions": True, "triton.prefer_nd_tiling": True}
+               if backend == "inductor" else None)
     for layer in model.model.layers:
         layer.compile(backend=backend, options=options)
 
