@@ -19,11 +19,14 @@
 - The default JSON names of runs that differ in data, optimizer, shape, variant or any other option differ.
 - The code the scripts share (model, data, names, run information) is identical in both fine-tune scripts, and the
   model loading in profile_baseline.py too.
+- Clipping inside the fused AdamW step equals clip_grad_norm_ + AdamW and leaves no clipping factor between steps;
+  the peer (--liger) asks Liger's fused loss for the token accuracy, in training and evaluation.
 """
 import inspect
 import json
 import os
 import subprocess
+import types
 import sys
 from pathlib import Path
 
@@ -531,3 +534,49 @@ def test_a_step_that_cannot_be_captured_is_one_error_line(monkeypatch):
     graphed = finetune_optimized.capture_step(step_failing_when(torch.OutOfMemoryError("CUDA out of memory.")))
     with pytest.raises(torch.OutOfMemoryError):
         graphed(batch)
+
+
+def test_clipping_inside_the_fused_step_equals_clip_grad_norm_and_keeps_no_factor():
+    """The optimized script clips inside fused AdamW (grad_scale = norm / max_norm, at least 1): over three steps the
+    parameters equal those of clip_grad_norm_ + AdamW within fp32 rounding, and after each step the optimizer holds no
+    clipping factor (the next step's peak memory has nothing of this step's)."""
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 7, generator=generator), torch.randn(7, generator=generator)]
+    models = [torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in start]) for _ in range(2)]
+    args = finetune_optimized.build_parser().parse_args(["--lr", "1e-2", "--max-grad-norm", "0.5"])
+    plan = finetune_optimized.MemoryPlan()
+    (fused,), _ = finetune_optimized.make_optimizers(args, models[0], plan)
+    reference = torch.optim.AdamW(models[1].parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        grads = [10 * torch.randn(t.shape, generator=generator) for t in start]  # norms far above 0.5: clipping acts
+        for model in models:
+            for param, grad in zip(model, grads):
+                param.grad = grad.clone()
+        norm = finetune_optimized.clip_gradients(args, models[0], [fused], None)
+        fused.step()
+        assert getattr(fused, "grad_scale", None) is None
+        reference_norm = torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5)
+        reference.step()
+        torch.testing.assert_close(norm, reference_norm)
+        for ours, theirs in zip(*models):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(models[0][0], start[0])
+
+
+def test_the_peer_logs_the_token_accuracy_its_fused_loss_finds():
+    """--liger: Liger's patched forward computes the loss (and with return_token_accuracy the accuracy) inside its
+    fused linear cross-entropy only when asked for it with labels and skip_logits; the baseline asks for both, in
+    training and in evaluation, so the peer logs what ours logs. (Liger's kernels need a GPU: a stand-in model checks
+    the call here; the GPU tests run the real one.)"""
+    calls = []
+
+    def patched_forward(**kwargs):
+        calls.append(kwargs)
+        return types.SimpleNamespace(loss=torch.tensor(2.0), token_accuracy=torch.tensor(0.25))
+
+    ids = torch.randint(0, 100, (1, 8))
+    loss, accuracy = finetune_baseline.compute_loss(patched_forward, ids, finetune_baseline.shift_labels_of(ids),
+                                                     "liger")
+    assert (loss.item(), accuracy.item()) == (2.0, 0.25)
+    assert calls[0]["skip_logits"] is True and calls[0]["return_token_accuracy"] is True
+    assert torch.equal(calls[0]["shift_labels"], finetune_baseline.shift_labels_of(ids))

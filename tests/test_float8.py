@@ -20,7 +20,7 @@ tiny LLaMA with our RMSNorm, SwiGLU and RoPE patched in and the loss through the
   above: measured at most 0.29).
 - A conversion that silently does nothing is an error: torchao's swap replaced by a no-op ends in one line.
 - The compile hook (each decoder layer compiled in place; aot_eager here) gives the eager float8 loss and gradients
-  bit for bit, and one graph serves both layers.
+  bit for bit, and one graph serves both layers; with inductor it asks for 2-D tiles and tuned blocks.
 - The flag checks: --loss ce/eager, --fsdp, --cuda-graph, no GPU or compute capability 8.0, torchao missing or too
   old for the recipe, a layer whose sizes the FP8 matmul cannot take: each one line. The run's variant names the
   recipe. And end to end: finetune_optimized.py --fp8 rowwise trains 2 steps with the device check lifted (the CPU's
@@ -180,6 +180,21 @@ def test_compiled_layers_match_eager_with_one_graph(fresh_dynamo):
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = runs
     assert torch.equal(eager_loss, compiled_loss)
     assert all(torch.equal(eager_grads[name], compiled_grads[name]) for name in eager_grads)
+
+
+def test_inductor_compiles_the_layers_with_tiled_and_tuned_kernels(monkeypatch):
+    """On the GPU (inductor) each layer's compile asks for 2-D tiles and block tuning, the options the float8 casts'
+    speed rests on (rowwise's transposed column reductions); aot_eager, which generates no kernels, takes none."""
+    model = patched_model()
+    calls = []
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer, "compile", lambda **kwargs: calls.append(kwargs))
+    float8_training.compile_decoder_layers(model, "inductor")
+    float8_training.compile_decoder_layers(model, "aot_eager")
+    tiled_and_tuned = {"coordinate_descent_tuning": True, "triton.tile_reductions": True,
+                       "triton.prefer_nd_tiling": True}
+    assert calls == [{"backend": "inductor", "options": tiled_and_tuned}] * 2 + [{"backend": "aot_eager",
+                                                                                 "options": None}] * 2
 
 
 @needs_torchao
