@@ -480,15 +480,11 @@ class SplitQKVFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, sizes):
-        ctx.sizes = sizes
         return qkv.split(sizes, dim=-1)
 
     @staticmethod
     def backward(ctx, *grads):
-        # A block that got no gradient (an output unused in the loss) contributes zeros, as indexing's backward does.
-        like = next(g for g in grads if g is not None)
-        grads = [torch.zeros(*like.shape[:-1], size, dtype=like.dtype, device=like.device) if g is None else g
-                 for g, size in zip(grads, ctx.sizes)]
+        # A block the loss does not use arrives as zeros (autograd materializes its gradient), as indexing gives.
         return torch.cat(grads, dim=-1), None
 
 

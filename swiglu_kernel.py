@@ -660,8 +660,7 @@ def swiglu_gate_up(gate_up):
         raise ValueError(f"swiglu_gate_up: the last dimension holds [gate | up] and must be even, got "
                          f"{tuple(gate_up.shape)}")
     if torch.compiler.is_compiling():
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch.ops.playbook.swiglu(gate, up, True, 1.0, "silu")
+        return _glu(*gate_up.chunk(2, dim=-1), "silu", 1.0, inplace_backward=True)
     return GateUpSwiGLUFunction.apply(gate_up)
 
 
