@@ -306,11 +306,29 @@ def _output_dtype(x, weight, casting_mode):
     return torch.promote_types(weight.dtype, x.dtype)
 
 
-def _as_rows(t):
-    """View t as [rows, H] with unit stride along H. Copies only when no such view exists. The row count is explicit
-    because reshape(-1, 0) cannot infer it when H is 0."""
-    rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+def _row_order(t):
+    """The dimensions of t in the order its memory runs, the last (H) last: t.permute(order) is contiguous wherever t
+    is dense, whatever its layout. Qwen3's and Gemma 3's q_norm/k_norm get [B, heads, T, head_dim] views of a
+    [B, T, heads, head_dim] projection; rows taken in memory order need no copy, and an output laid out like the input
+    keeps attention's strides as eager's norm leaves them (a [B, heads, T, D]-ordered q would make attention's output
+    that order too, and transformers then copies it back: one more [T, hidden] tensor per layer)."""
+    leading = sorted(range(t.dim() - 1), key=lambda dim: -t.stride(dim))  # stable: size-1 dims keep their place
+    return [*leading, t.dim() - 1]
+
+
+def _as_rows(t, order):
+    """View t as [rows, H], rows in `order` (see _row_order), with unit stride along H. Copies only when no such view
+    exists (an expanded or overlapping t). The row count is explicit because reshape(-1, 0) cannot infer it when H
+    is 0."""
+    rows = t.permute(order).reshape(math.prod(t.shape[:-1]), t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _empty_rows(like, order, dtype):
+    """(t, rows): a new tensor shaped like `like` whose [rows, H] view in `order` is contiguous, and that view."""
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    rows = torch.empty([like.shape[dim] for dim in order], dtype=dtype, device=like.device)
+    return rows.permute(inverse), rows.view(math.prod(like.shape[:-1]), like.shape[-1])
 
 
 def _on_tensor_device(t):
@@ -349,47 +367,49 @@ def _backward_config(n_cols):
 def rmsnorm_forward(x, weight, eps, offset=0.0, casting_mode="llama"):
     """Launch the forward kernel. Returns (y, rstd): y shaped like x, rstd one fp32 per row. weight may be None."""
     _validate(x, weight, eps, offset, casting_mode)
-    x_rows = _as_rows(x)
+    order = _row_order(x)
+    x_rows = _as_rows(x, order)
     if weight is not None:
         weight = weight.contiguous()  # the kernels read the weight with unit stride; a copy only for a strided view
     n_rows, n_cols = x_rows.shape
-    y = torch.empty((n_rows, n_cols), dtype=_output_dtype(x, weight, casting_mode), device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    y, y_rows = _empty_rows(x, order, _output_dtype(x, weight, casting_mode))
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)  # per row, in the rows' (memory) order
     if y.numel() > 0:  # no rows or no columns: nothing to normalize (a grid dimension of 0 is not allowed)
         block_rows, block_cols, num_warps = _forward_config(n_cols)
         # The grid: one program per block of rows.
         with _on_tensor_device(x):
             _rmsnorm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
-                x_rows, weight, y, rstd,
-                x_rows.stride(0), y.stride(0),
+                x_rows, weight, y_rows, rstd,
+                x_rows.stride(0), y_rows.stride(0),
                 n_rows, n_cols, eps,
                 BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
                 # A float offset, so that 1 and 1.0 are the same compiled kernel.
                 CASTING_MODE=casting_mode, OFFSET=float(offset), HAS_WEIGHT=weight is not None,
                 num_warps=num_warps,
             )
-    return y.view(x.shape), rstd
+    return y, rstd
 
 
 def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_place=False):
     """Launch the backward kernel. Returns (dx, dw); dw is None when weight is None. in_place=True writes dx into dy
-    when dy is contiguous and of x's dtype (dx is then a view of dy), else into a new buffer."""
+    when dy is laid out like x and of x's dtype (dx is then dy), else into a new buffer laid out like x."""
     if dy.shape != x.shape:
         raise ValueError(f"rmsnorm_backward: dy of shape {tuple(dy.shape)} does not match x of shape {tuple(x.shape)}")
     _check_options("rmsnorm_backward", offset, casting_mode)
-    x_rows = _as_rows(x)
-    dy_rows = _as_rows(dy)
+    order = _row_order(x)  # the forward's, so that row i of x, dy, dx and rstd[i] are the same row
+    x_rows = _as_rows(x, order)
+    dy_rows = _as_rows(dy, order)
     if weight is not None:
         weight = weight.contiguous()
     n_rows, n_cols = x_rows.shape
-    # dy contiguous: one row per H elements, each written once (an expanded dy, stride 0, has rows that share
-    # memory); dx is in x's dtype, dy in the output's, which differs for a bf16 x with an fp32 weight.
-    if in_place and dy.is_contiguous() and dy.dtype == x.dtype:
-        dx = dy_rows
+    # dy dense in x's row order: one row per H elements, each written once (an expanded dy, stride 0, has rows that
+    # share memory); dx is in x's dtype, dy in the output's, which differs for a bf16 x with an fp32 weight.
+    if in_place and dy.permute(order).is_contiguous() and dy.dtype == x.dtype:
+        dx, dx_rows = dy, dy_rows
     else:
-        dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        dx, dx_rows = _empty_rows(x, order, x.dtype)
     if dx.numel() == 0:
-        return dx.view(x.shape), None if weight is None else torch.zeros_like(weight)
+        return dx, None if weight is None else torch.zeros_like(weight)
     block_rows, block_cols, num_warps, num_stages = _backward_config(n_cols)
     n_row_blocks = triton.cdiv(n_rows, block_rows)
     if INTERPRETER:
@@ -402,8 +422,8 @@ def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_p
     dw_partial = None if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     with _on_tensor_device(x):
         _rmsnorm_backward_kernel[(n_programs,)](
-            dy_rows, x_rows, weight, rstd, dx, dw_partial,
-            dy_rows.stride(0), x_rows.stride(0), dx.stride(0),
+            dy_rows, x_rows, weight, rstd, dx_rows, dw_partial,
+            dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0),
             n_rows, n_cols,
             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages,
             CASTING_MODE=casting_mode, OFFSET=float(offset), HAS_WEIGHT=weight is not None,
@@ -411,7 +431,7 @@ def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_p
         )
     # A [n_programs, H] fp32 sum: a few MB at most, and deterministic.
     dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
-    return dx.view(x.shape), dw
+    return dx, dw
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -457,7 +477,7 @@ def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, of
 def _(x, weight, eps, offset=0.0, casting_mode="llama"):
     _validate(x, weight, eps, offset, casting_mode)  # bad input fails while tracing, with the launcher's message
     n_rows = math.prod(x.shape[:-1])
-    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting_mode), device=x.device)
+    y, _ = _empty_rows(x, _row_order(x), _output_dtype(x, weight, casting_mode))  # laid out as the launcher does
     return y, torch.empty(n_rows, dtype=torch.float32, device=x.device)
 
 
@@ -473,7 +493,7 @@ def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[to
 @_rms_norm_backward_op.register_fake
 def _(dy, x, weight, rstd, offset=0.0, casting_mode="llama"):
     dw = x.new_empty(0) if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
+    return _empty_rows(x, _row_order(x), x.dtype)[0], dw
 
 
 def _rms_norm_setup_context(ctx, inputs, output):

@@ -97,6 +97,10 @@ def make_tensor(lead, hidden, dtype, layout, row_gap=9):
     if layout == "transposed":
         # The hidden dimension is not the contiguous one: the launcher must gather the rows (its copy path).
         return torch.randn((hidden, *lead), device=DEVICE, dtype=dtype).movedim(0, -1)
+    if layout == "heads_transposed":
+        # Qwen3's and Gemma 3's q_norm input: a [B, T, heads, D] projection viewed as [B, heads, T, D]. Dense, rows
+        # contiguous, but not in the shape's order: the launcher reads them in memory order, without a copy.
+        return torch.randn((lead[1], lead[0], *lead[2:], hidden), device=DEVICE, dtype=dtype).transpose(0, 1)
     raise ValueError(layout)
 
 
@@ -146,6 +150,8 @@ def check_against_reference(lead, hidden, dtype, layout, eps=1e-5, weight_dtype=
         assert torch.equal(dy_o, x_o.grad), "in_place=True: dx was not written into dy's buffer"
 
     assert y_o.dtype == y_t.dtype, f"output dtype {y_o.dtype}, the eager math gives {y_t.dtype}"
+    if layout in ("contiguous", "heads_transposed"):  # laid out like x, as eager's elementwise ops leave it
+        assert y_o.stride() == x.stride(), f"y strides {y_o.stride()}, x's {x.stride()}"
     assert y_o.shape == y_t.shape and x_o.grad.shape == x.shape
     checks = [("y", y_o, y_t, y64), ("dx", x_o.grad, x_t.grad, x64.grad)]
     if has_weight:
@@ -230,6 +236,17 @@ def test_bf16_bits_of_each_casting_mode(casting_mode):
             assert differing < 0.02, f"{differing:.1%} of the outputs differ from the {mode!r} model code's"
         else:
             assert differing > 0.1, f"only {differing:.1%} of the outputs differ from the {mode!r} model code's"
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("casting_mode", ["llama", "gemma"])
+def test_heads_transposed_rows_keep_their_layout(casting_mode, in_place):
+    # Gemma 3's q_norm: [1, heads, T, head_dim] over a [1, T, heads, head_dim] projection. The output keeps that layout
+    # (checked inside), so RoPE and attention see eager's strides; in place, dx is written over dy laid out alike.
+    offset = 1.0 if casting_mode == "gemma" else 0.0
+    check_against_reference((5, 3, 1), 96, torch.bfloat16, "heads_transposed", offset=offset,
+                            casting_mode=casting_mode, in_place=in_place)
+    check_against_reference((4, 7), 40, torch.float32, "heads_transposed", in_place=in_place)
 
 
 def test_in_place_backward_takes_a_new_buffer_where_dy_cannot_hold_dx():

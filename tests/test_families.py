@@ -61,13 +61,14 @@ def build(folder, seed=0):
 
 
 def stock_loss(model, input_ids, labels):
-    logits = model(input_ids=input_ids).logits  # transformers applies Gemma 2's final softcap here
+    # use_cache=False, as in training: a KV cache would hand attention its own copies of k and v
+    logits = model(input_ids=input_ids, use_cache=False).logits  # transformers applies Gemma 2's final softcap here
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.float64 if logits.dtype == torch.float64
                                                                       else torch.float32), labels.reshape(-1))
 
 
 def our_loss(model, input_ids, labels):
-    hidden = model.model(input_ids=input_ids).last_hidden_state
+    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
     softcap = getattr(model.config, "final_logit_softcapping", None)
     return linear_cross_entropy(hidden, model.lm_head.weight, labels, softcap=softcap)
 
@@ -90,22 +91,33 @@ def test_the_tables_name_the_same_families():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_patched_family_matches_stock(family, restore_rope):
+def test_patched_family_matches_stock(family, restore_rope, monkeypatch):
     folder, norms_per_layer, mlp_class = FAMILIES[family]
     torch.manual_seed(1)  # fresh inputs, no token the vocabulary lacks
     config = AutoConfig.from_pretrained(ROOT / "configs" / folder)
     input_ids = torch.randint(0, config.vocab_size, (BATCH, TOKENS), device=DEVICE)
     labels = torch.randint(0, config.vocab_size, (BATCH, TOKENS), device=DEVICE)
-    losses, grads = {}, {}
+    losses, grads, attention_strides, strides = {}, {}, {}, []
 
     def run(name, model, loss_fn):
+        strides.clear()
         loss = loss_fn(model, input_ids, labels)
         loss.backward()
-        losses[name], grads[name] = loss.double().item(), gradients(model)
+        losses[name], grads[name], attention_strides[name] = loss.double().item(), gradients(model), list(strides)
 
     # The stock runs first: apply_rope switches the whole family's attention, the float64 reference's too.
     stock = build(folder)
     ours = copy.deepcopy(stock)
+    # The strides of q, k and v as they reach attention: the kernels keep eager's layouts, or attention's output comes
+    # back in another order and transformers copies it (one more [tokens, hidden] tensor kept per layer).
+    modeling = sys.modules[type(stock.model.layers[0].self_attn).__module__]
+    eager_attention = modeling.eager_attention_forward
+
+    def recording_attention(module, query, key, value, *args, **kwargs):
+        strides.append([t.stride() for t in (query, key, value)])
+        return eager_attention(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", recording_attention)
     run("reference", copy.deepcopy(stock).double(), stock_loss)  # the same weights in float64
     run("stock", stock, stock_loss)
     assert ours.config.model_type == family
@@ -115,9 +127,16 @@ def test_patched_family_matches_stock(family, restore_rope):
     assert apply_rope(ours) == n_layers
     assert not any(type(m).__name__.endswith("RMSNorm") and not isinstance(m, TritonRMSNorm) for m in ours.modules())
     assert sum(type(m).__name__ == mlp_class for m in ours.modules()) == n_layers
-    modeling = sys.modules[type(ours.model.layers[0].self_attn).__module__]
     assert modeling.apply_rotary_pos_emb is apply_rotary_pos_emb
     run("ours", ours, our_loss)
+    # q and k reach attention token-major, as their projection lies ([B, T, heads, D] in memory, viewed as [B, heads,
+    # T, D]): attention then writes its output in that order, and transformers' reshape of it to [B, T, hidden] needs
+    # no copy (else one more [tokens, hidden] tensor is kept per layer). v is the projection's own view.
+    assert len(attention_strides["ours"]) == n_layers
+    for (q_strides, k_strides, v_strides), (_, _, stock_v_strides) in zip(attention_strides["ours"],
+                                                                           attention_strides["stock"]):
+        assert q_strides[2] > q_strides[1] and k_strides[2] > k_strides[1], (q_strides, k_strides)
+        assert v_strides == stock_v_strides
 
     def within_rule(ours_value, stock_value, reference_value, scale):
         return abs(ours_value - reference_value) <= 4 * abs(stock_value - reference_value) + 1e-6 * scale
