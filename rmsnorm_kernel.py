@@ -16,8 +16,8 @@ Options (argument names as in Liger-Kernel's LigerRMSNormFunction)
   these ops on a bf16 tensor without upcasting (x ** 2, the mean, + eps, rsqrt, x * rstd and * weight each round).
 - offset: y = normed * (offset + weight). Gemma stores its weight as w - 1 and uses offset 1.0.
 - weight None (elementwise_affine=False in the module): y = normed, and no dw.
-- in_place: the backward writes dx into dy's buffer (one [rows, H] buffer less) when dy is contiguous and of x's
-  dtype. Only for a dy that nothing else reads afterwards: a residual branch that also receives dy would see dx.
+- in_place: the backward writes dx into dy's buffer (one [rows, H] buffer less) when dy is laid out like x and of
+  x's dtype. Only for a dy that nothing else reads afterwards: a residual branch that also receives dy would see dx.
 Each option is a compile-time constant of the kernels (tl.constexpr): the default path compiles to the same machine
 code as before the options existed, and each other combination compiles once. The backward computes in fp32 in every
 mode and rounds once (eager's extra roundings in a backward are artifacts of running separate ops, not of the model).
@@ -46,7 +46,8 @@ Triton concepts introduced here
 Limits
 ------
 A whole row lives in one program's registers: H <= MAX_HIDDEN_SIZE (65536; LLaMA-3.1-8B uses 4096). x is fp32, bf16 or
-fp16 with any leading dimensions, strided (non-contiguous) or empty; eps and offset are finite numbers, eps >= 0.
+fp16 with any leading dimensions, strided (non-contiguous) or empty; y and dx are laid out like x where x is dense (rows
+read in memory order, section 2), contiguous otherwise; eps and offset are finite numbers, eps >= 0.
 Without a GPU the same kernels run on Triton's CPU interpreter (slow: toy sizes).
 
 torch.compile traces the kernels as custom operators (torch.ops.playbook.*, section 3); eager calls keep the
