@@ -1234,7 +1234,7 @@ def make_optimizers(args, model, plan, capturable=False):
         optimizer = torch.optim.AdamW(model.parameters(), capturable=capturable, **adamw)
         # clip_in_fused_step hands each step its clipping factor as grad_scale: dropped once the step has read it, so
         # no step's factor stays allocated through the next step's peak
-        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: setattr(optimizer, "grad_scale", None))
+        optimizer.register_step_post_hook(lambda optimizer, *_: setattr(optimizer, "grad_scale", None))
         return [optimizer], None
     # the clipping hooks come first: a parameter's hooks run in the order they were registered
     clip = ClipInBackward(model, args.max_grad_norm) if args.max_grad_norm else None

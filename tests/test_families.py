@@ -108,8 +108,7 @@ def test_patched_family_matches_stock(family, restore_rope, monkeypatch):
     # The stock runs first: apply_rope switches the whole family's attention, the float64 reference's too.
     stock = build(folder)
     ours = copy.deepcopy(stock)
-    # The strides of q, k and v as they reach attention: the kernels keep eager's layouts, or attention's output comes
-    # back in another order and transformers copies it (one more [tokens, hidden] tensor kept per layer).
+    # Each attention call records the strides of its q, k and v (checked after our run).
     modeling = sys.modules[type(stock.model.layers[0].self_attn).__module__]
     eager_attention = modeling.eager_attention_forward
 

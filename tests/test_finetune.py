@@ -26,8 +26,8 @@ import inspect
 import json
 import os
 import subprocess
-import types
 import sys
+import types
 from pathlib import Path
 
 import pytest
