@@ -46,8 +46,8 @@ Triton concepts introduced here
 Limits
 ------
 A whole row lives in one program's registers: H <= MAX_HIDDEN_SIZE (65536; LLaMA-3.1-8B uses 4096). x is fp32, bf16 or
-fp16 with any leading dimensions, strided (non-contiguous) or empty; y and dx are laid out like x where x is dense (rows
-read in memory order, section 2), contiguous otherwise; eps and offset are finite numbers, eps >= 0.
+fp16 with any leading dimensions, strided (non-contiguous) or empty; y and dx are dense, their dimensions in x's memory
+order (rows read in that order, section 2): laid out like x wherever x is dense; eps and offset are finite, eps >= 0.
 Without a GPU the same kernels run on Triton's CPU interpreter (slow: toy sizes).
 
 torch.compile traces the kernels as custom operators (torch.ops.playbook.*, section 3); eager calls keep the
