@@ -760,6 +760,21 @@ def init_distributed(args):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def end_distributed_run():
+    """The last step of an --fsdp run: every rank waits at a barrier (past its last collective before any closes its
+    connections), leaves the process group, and the process ends here, skipping Python's interpreter shutdown.
+    torch.distributed.tensor caches its sharding decisions with the device mesh, and so the process group, in them:
+    the group outlives destroy_process_group() and its gloo worker threads run into that shutdown. A worker still
+    releasing a collective's buffers then needs the interpreter lock of an interpreter that is going away, and the
+    process aborts ("terminate called without an active exception") after its work is done. Everything is written by
+    now: the results, checkpoints (their background writes are waited for), the final model."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant, rank, world_size):
     """Steps start_step+1 .. --steps, then the summary. The first step(s) of the process are a warm-up left out of the
     timing (kernels compile, cuBLAS picks algorithms, the optimizer creates its state); each later step is timed
@@ -1011,9 +1026,8 @@ def fine_tune(args, tried=(), write=True):
         raise
     if write:
         write_results(result, out_path, rank)
-    if args.fsdp:  # every rank past its last collective before any closes its connections
-        dist.barrier()
-        dist.destroy_process_group()
+    if args.fsdp:
+        end_distributed_run()
     return result
 
 

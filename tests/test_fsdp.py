@@ -84,3 +84,34 @@ def test_fsdp_bad_combinations_are_clear_errors(module, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             module.parse_args(["--fsdp", "--optimizer-in-backward"])
         assert "--optimizer-in-backward cannot be combined with --fsdp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", [finetune_baseline, finetune_optimized])
+def test_fsdp_run_ends_after_the_barrier_the_group_and_the_flush(module, monkeypatch):
+    """An --fsdp run ends with os._exit (see end_distributed_run): the order is what keeps it safe. No rank leaves the
+    group before every rank passes the barrier, and the output is flushed before os._exit, which skips the flush of
+    the interpreter's shutdown (rank 0's summary would be lost in a pipe)."""
+    calls = []
+
+    class Ended(Exception):
+        pass
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def flush(self):
+            calls.append(f"flush {self.name}")
+
+    def exit_(code):
+        calls.append(f"exit {code}")
+        raise Ended
+
+    monkeypatch.setattr(module.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(module.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(sys, "stdout", Stream("stdout"))
+    monkeypatch.setattr(sys, "stderr", Stream("stderr"))
+    monkeypatch.setattr(os, "_exit", exit_)
+    with pytest.raises(Ended):
+        module.end_distributed_run()
+    assert calls == ["barrier", "destroy", "flush stdout", "flush stderr", "exit 0"]
