@@ -1828,10 +1828,11 @@ class ActivationOffloader:
             if record["device"].type == "cuda":
                 # allocated on the compute stream, which may hand out a block its queued kernels still use: the copy
                 # into it waits for them
-                record["on_gpu"] = torch.empty(record["host"].shape, dtype=record["host"].dtype, device=record["device"])
+                host = record["host"]
+                record["on_gpu"] = torch.empty(host.shape, dtype=host.dtype, device=record["device"])
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
-                    record["on_gpu"].copy_(record["host"], non_blocking=True)
+                    record["on_gpu"].copy_(host, non_blocking=True)
                     record["fetched"] = torch.cuda.Event()
                     record["fetched"].record()
             else:
