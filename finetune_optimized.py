@@ -2009,6 +2009,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._end_of_backward()
         if not self._this_backward:  # the first parameter of this backward: learn the order when it ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._release_copied_back(keep=0)  # the last step's copies back, done during the forward
         self._this_backward[param] = None  # a dict: ordered, and membership by identity (tensor == is elementwise)
         with torch.no_grad():
             self._step_one(param, self._next_in_backward.get(param))
