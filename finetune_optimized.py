@@ -1959,7 +1959,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     used: a copy to the GPU first waits for the compute queued so far (its block may be one those kernels still use),
     the compute stream waits for a copy to arrive before AdamW reads it, and the moments read by a copy back stay
     referenced until the compute stream waits for that copy, when the parameter after next steps (the copy runs
-    beside the backward in between).
+    beside the backward in between) or, for the last ones, when the next step begins.
 
     It is a torch.optim.Optimizer over the same param groups as torch.optim.AdamW would be, with the state in
     self.state, so state_dict() has plain AdamW's layout (a checkpoint of either loads into the other) and an LR
@@ -2000,6 +2000,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ready = [param for param in self._adamw if param.grad is not None]
+        self._release_copied_back(keep=0)  # the last step's copies back
         for param, next_param in zip(ready, ready[1:] + [None]):
             self._step_one(param, next_param)
         return loss
