@@ -2000,7 +2000,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ready = [param for param in self._adamw if param.grad is not None]
-        self._release_copied_back(keep=0)  # the last step's copies back
+        if ready:  # (none with in_backward: its backward has released them, and must not wait here)
+            self._release_copied_back(keep=0)  # the last step's copies back
         for param, next_param in zip(ready, ready[1:] + [None]):
             self._step_one(param, next_param)
         return loss
