@@ -1952,14 +1952,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     step() -- its moments are copied to the GPU on a side stream, its AdamW steps on the compute stream, the moments
     go back to the host on the side stream and the gradient is freed. While one parameter steps, the next one's
     moments are already on their way: the backward visits the parameters in the same order every step, so the order
-    of the last backward says which is next. On the GPU at any time: the moments of a few parameters (the one that
-    steps, the next, the copies back not yet waited for), not the model's.
-
-    As in ActivationOffloader, every GPU tensor belongs to the compute stream's memory pool and no record_stream is
-    used: a copy to the GPU first waits for the compute queued so far (its block may be one those kernels still use),
-    the compute stream waits for a copy to arrive before AdamW reads it, and the moments read by a copy back stay
-    referenced until the compute stream waits for that copy, when the parameter after next steps (the copy runs
-    beside the backward in between) or, for the last ones, when the next step begins.
+    of the last backward says which is next. On the GPU at any time: the moments of two parameters, not the model's.
 
     It is a torch.optim.Optimizer over the same param groups as torch.optim.AdamW would be, with the state in
     self.state, so state_dict() has plain AdamW's layout (a checkpoint of either loads into the other) and an LR
@@ -1978,7 +1971,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         on_gpu = any(param.is_cuda for param in self._adamw)
         self._copy_stream = torch.cuda.Stream() if on_gpu else None
         self._on_device = {}  # parameter -> (its moments on its device, the event that says they have arrived)
-        self._copying_back = []  # (the event that ends a copy back, the GPU moments it reads), oldest first
         self._next_in_backward, self._this_backward = {}, {}
         self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for param in self._adamw if in_backward and param.requires_grad]
@@ -2000,8 +1992,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ready = [param for param in self._adamw if param.grad is not None]
-        if ready:  # (none with in_backward: its backward has released them, and must not wait here)
-            self._release_copied_back(keep=0)  # the last step's copies back
         for param, next_param in zip(ready, ready[1:] + [None]):
             self._step_one(param, next_param)
         return loss
@@ -2011,7 +2001,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._end_of_backward()
         if not self._this_backward:  # the first parameter of this backward: learn the order when it ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._release_copied_back(keep=0)  # the last step's copies back, done during the forward
         self._this_backward[param] = None  # a dict: ordered, and membership by identity (tensor == is elementwise)
         with torch.no_grad():
             self._step_one(param, self._next_in_backward.get(param))
@@ -2019,12 +2008,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _end_of_backward(self):
         order, self._this_backward = list(self._this_backward), {}
         self._next_in_backward = dict(zip(order, order[1:]))
-        # a prefetch the backward did not use (its order changed) must not hold the GPU; its memory is free for the
-        # compute stream once that stream has waited for the copy into it
-        for _, arrived in self._on_device.values():
-            if arrived is not None:
-                torch.cuda.current_stream().wait_event(arrived)
-        self._on_device.clear()
+        self._on_device.clear()  # a prefetch the backward did not use (its order changed) must not hold the GPU
 
     def _fetch(self, param):
         """Starts copying param's moments to its device (once); returns them and the event of their arrival."""
@@ -2033,31 +2017,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if self._copy_stream is None:  # no GPU: the same swap, as plain copies
                 self._on_device[param] = ({key: value.clone() for key, value in moments.items()}, None)
             else:
-                on_device = {key: torch.empty(value.shape, dtype=value.dtype, device=param.device)
-                             for key, value in moments.items()}
-                self._copy_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self._copy_stream):
-                    for key, value in moments.items():
-                        on_device[key].copy_(value, non_blocking=True)
+                    on_device = {key: value.to(param.device, non_blocking=True) for key, value in moments.items()}
                     arrived = torch.cuda.Event()
                     arrived.record()
                 self._on_device[param] = (on_device, arrived)
         return self._on_device[param]
 
-    def _release_copied_back(self, keep):
-        """The compute stream waits for the oldest copies back until `keep` are left, and their GPU moments go."""
-        while len(self._copying_back) > keep:
-            copied, _ = self._copying_back.pop(0)
-            torch.cuda.current_stream().wait_event(copied)
-
     def _step_one(self, param, next_param):
-        self._release_copied_back(keep=1)  # all but the previous parameter's: that copy runs beside this step
         moments, arrived = self._fetch(param)
         if next_param is not None and next_param in self.state:  # no state yet (first step): nothing to prefetch
             self._fetch(next_param)
         del self._on_device[param]
         if arrived is not None:
-            torch.cuda.current_stream().wait_event(arrived)  # this parameter's copy only, not the prefetch behind it
+            compute_stream = torch.cuda.current_stream()
+            compute_stream.wait_event(arrived)  # this parameter's copy only, not the prefetch queued behind it
+            for value in moments.values():
+                value.record_stream(compute_stream)  # allocated on the copy stream, used here
         # torch's AdamW steps on the state as it would hold it: the host dict with the device moments swapped in.
         # On the first step the dict is empty and AdamW creates the state itself (on the device), as it would.
         state = self.state[param]
@@ -2085,14 +2061,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for key, value in on_device.items():
                 if key != "step":
                     state[key].copy_(value, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        self._copying_back.append((copied, on_device))
+                    value.record_stream(self._copy_stream)  # its memory is reused only after the copy has read it
 
     def _wait_for_copies(self):
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
-            self._copying_back.clear()  # every copy back has read its moments
 
     def state_dict(self):
         self._wait_for_copies()  # the host tensors are complete only once the copies back have run
