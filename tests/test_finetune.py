@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
 import finetune_baseline  # noqa: E402
+import memory_plan  # noqa: E402
 import profile_baseline  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
@@ -544,7 +545,7 @@ def test_clipping_inside_the_fused_step_equals_clip_grad_norm_and_keeps_no_facto
     start = [torch.randn(5, 7, generator=generator), torch.randn(7, generator=generator)]
     models = [torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in start]) for _ in range(2)]
     args = finetune_optimized.build_parser().parse_args(["--lr", "1e-2", "--max-grad-norm", "0.5"])
-    plan = finetune_optimized.MemoryPlan()
+    plan = memory_plan.MemoryPlan()
     (fused,), _ = finetune_optimized.make_optimizers(args, models[0], plan)
     reference = torch.optim.AdamW(models[1].parameters(), lr=1e-2, fused=True)
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""finetune_optimized.py's memory plan: the estimate, the choice, the fallback, and AdamW with its state on the host.
+"""memory_plan.py: the count, the estimate, the choice, the fallback, the command and the plot.
 
 The plan is tested with Llama-3.1-8B's numbers, calibrated on the 80 GB H100 figures (bf16, batch 1, fused AdamW with
 bf16 states, ours = fused kernels with the linear cross-entropy):
@@ -8,21 +8,20 @@ bf16 states, ours = fused kernels with the linear cross-entropy):
 Calibration: the probe's one measured number (what a decoder layer keeps per token without checkpointing) is not
 available from those runs, so it is found by inverting the first figure through the estimate (bisection over the
 forward peak the probe would have seen). Everything else comes from the config. The other six figures then test the
-model: each estimate within 1.5 GiB of the measured peak.
+model: each estimate within 1.5 GiB of the measured peak. The count on fake tensors (no GPU, no weights) must land
+within 3 % of that calibrated number and reproduce the same six figures: it is the number the command plans with.
 
 Budgets: an 80 GB H100 shows 79.2 GiB; 76 GiB is what a step may allocate after the CUDA context, cuBLAS workspaces
 and the allocator's fragmentation (3 GiB). A 141 GB H200: 139.8 GiB, so 136.8. Host: 110 of the box's 128 GiB.
 
-OffloadedAdamW: on the CPU (fp32, a tiny LLaMA) its parameters and moments equal torch.optim.AdamW's bit for bit over
-several steps, with weight decay and an lr schedule, stepping in the backward or in step(); its state_dict has
-AdamW's layout and either optimizer's checkpoint continues in the other. With CUDA: the same on the GPU (fused), the
-moments pinned on the host, and a lower peak than AdamW's.
+With CUDA: the fake-tensor count and the real probe forwards agree within 3 % for Llama-3.1-8B and Qwen3-8B, and the
+plans they give at 8192 and 65536 tokens on an 80 GB card are the same.
 """
-import copy
 import json
 import math
+import subprocess
 import sys
-import types
+import time
 import weakref
 from pathlib import Path
 
@@ -32,9 +31,10 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import finetune_optimized as plan_module  # noqa: E402
-from finetune_optimized import (MemoryPlan, OffloadedAdamW, choose_plan, estimate_peak_bytes,  # noqa: E402
-                                fitting_plans, llama_param_counts, probe_model_bytes)
+import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
+import memory_plan as plan_module  # noqa: E402
+from memory_plan import (MemoryPlan, choose_plan, estimate_peak_bytes, fitting_plans, llama_param_counts,  # noqa: E402
+                         probe_model_bytes)
 
 GiB = 2**30
 BUDGET_H100 = 76 * GiB
@@ -124,7 +124,7 @@ def test_the_probe_leaves_one_time_allocations_out(monkeypatch):
     per_token = config.num_hidden_layers * layer_bytes + 2 * config.hidden_size * itemsize + 4  # layers + the loss's
     memory = {"allocated": 10**9, "peak": 10**9, "forwards": 0}
 
-    def forward(input_ids, shift_labels):
+    def forward_loss(model, input_ids):
         if memory["forwards"] == 0:
             memory["allocated"] += 32 * 2**20  # the workspace: allocated at the first matmul, never freed
         memory["forwards"] += 1
@@ -132,16 +132,142 @@ def test_the_probe_leaves_one_time_allocations_out(monkeypatch):
         memory["peak"] = max(memory["peak"], peak)
         return torch.zeros(()), None
 
-    monkeypatch.setattr(plan_module, "HAS_CUDA", True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
                         lambda device=None: memory.update(peak=memory["allocated"]))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory["peak"])
-    args = types.SimpleNamespace(memory_plan="auto", cuda_graph=False)
-    model_bytes = plan_module.measure_model_bytes(args, model, forward, "cpu")
+    model_bytes = plan_module.measure_model_bytes(model, forward_loss, patch_model=None, on_gpu=True)
     assert model_bytes.layer_bytes_per_token == pytest.approx(layer_bytes)
     assert model_bytes.loss_fixed_bytes == pytest.approx(fixed_bytes, abs=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The count on fake tensors: no GPU, no weights
+
+def test_storage_bytes_counts_what_an_allocator_would():
+    """Created storages count until their last tensor dies; views add nothing; tensors from before count nothing."""
+    weights = torch.empty(1000)
+    with plan_module.StorageBytes() as counter:
+        a = torch.empty(100, dtype=torch.float32) + 1  # two storages of 400 bytes: empty's (freed), add's (kept)
+        assert counter.peak_bytes == 800 and counter.live_bytes == 400
+        view = a.view(10, 10).t()
+        b = weights * 2  # 4000 bytes
+        del a
+        assert counter.live_bytes == 4400  # `a` lives on through its view
+        del view
+        assert counter.live_bytes == 4000
+        c = b[:10].clone()  # 40 bytes
+    assert counter.peak_bytes == 4400 and counter.live_bytes == 4040
+    del b, c
+
+
+@pytest.fixture(scope="module")
+def counted_llama8b():
+    """Llama-3.1-8B's ModelBytes as the command counts them: bf16, our kernels and loss, on fake tensors."""
+    config = AutoConfig.from_pretrained(ROOT / "configs" / "llama-3.1-8b")
+    peaks, counts, itemsize = plan_module.count_forward_peaks(config, torch.bfloat16)
+    return plan_module.model_bytes_from_peaks(config, peaks, 0, counts, itemsize)
+
+
+def test_the_count_agrees_with_the_h100_calibration(counted_llama8b, llama8b):
+    assert counted_llama8b.param_count == llama8b.param_count == 8_030_261_248
+    assert counted_llama8b.layer_bytes_per_token == pytest.approx(llama8b.layer_bytes_per_token, rel=0.03)
+    errors = []
+    for tokens, levers, measured_gib in MEASURED_H100:
+        peak, _ = estimate_peak_bytes(MemoryPlan(**levers), counted_llama8b, 1, tokens)
+        if abs(peak / GiB - measured_gib) > 1.5:
+            errors.append(f"{tokens} {levers}: estimated {peak / GiB:.1f} GiB, measured {measured_gib}")
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gemma3", "tiny-phi3"])
+def test_the_count_reads_each_family_from_its_model(name):
+    """Parameter counts come from the model the config builds (Phi-3's fused projections, Gemma 3's q/k norms and
+    tied embedding included), and every layer keeps more than its input per token."""
+    config = AutoConfig.from_pretrained(ROOT / "configs" / name)
+    peaks, counts, itemsize = plan_module.count_forward_peaks(config, torch.float32)
+    model = finetune_optimized.AutoModelForCausalLM.from_config(config)
+    assert counts == plan_module.param_counts(model) and itemsize == 4
+    assert counts[0] == sum(p.numel() for p in model.parameters())
+    model_bytes = plan_module.model_bytes_from_peaks(config, peaks, 0, counts, itemsize)
+    assert model_bytes.layer_bytes_per_token > model_bytes.input_bytes_per_token
+
+
+def run_command(*flags):
+    proc = subprocess.run([sys.executable, str(ROOT / "memory_plan.py"), *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_command_plans_8192_on_an_80_gib_card_without_a_gpu(tmp_path):
+    started = time.perf_counter()
+    out = run_command("--model", "configs/llama-3.1-8b", "--seq-len", "8192", "--gpu-gib", "80", "--host-gib", "128",
+                      "--out", str(tmp_path / "plan.json"))
+    assert time.perf_counter() - started < 60
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["activation_checkpointing"] != "none"  # 8192 needs a lever on 80 GB (step 11)
+    assert rows[0]["plan"] in out and "the candidates weighed:" in out and "counted on fake tensors" in out
+    assert rows[0]["estimated_peak_gib"] <= rows[0]["budget_gib"]
+
+
+def test_the_command_finds_the_longest_sequence_per_card(tmp_path):
+    run_command("--model", "meta-llama/Llama-3.1-8B", "--longest", "--gpu-gib", "48", "80", "--host-gib", "128",
+                "--out", str(tmp_path / "longest.json"))
+    result = json.loads((tmp_path / "longest.json").read_text())
+    assert result["config_source"] == "configs/llama-3.1-8b"  # not in the cache here: the built-in config
+    small, large = result["rows"]
+    assert large["seq_len"] >= 393216 and small["seq_len"] < large["seq_len"]
+    assert large["estimated_host_gib"] <= 0.9 * 0.94 * 128 and large["estimated_peak_gib"] <= large["budget_gib"]
+
+
+def test_the_longest_sequence_is_the_boundary():
+    """longest_trainable's answer fits and one step more does not."""
+    config = llama31_8b_config()
+    model_bytes = model_bytes_from_probe(config, 138_000)
+    budget, host = plan_module.card_budget_bytes(80), int(0.9 * 0.94 * 128 * GiB)
+    seq_len, plan = plan_module.longest_trainable(budget, model_bytes, 1, host, step=8192)
+    assert plan is not None and plan.estimated_peak_bytes <= budget
+    assert choose_plan(budget, model_bytes, 1, seq_len + 8192, host_budget_bytes=host)[0] is None
+
+
+def test_a_config_it_cannot_find_is_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "memory_plan.py"), "--model", "nobody/no-such-model"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "error: --model nobody/no-such-model: no config.json there" in proc.stderr
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b"])
+def test_cuda_count_and_probe_agree_and_plan_alike(name):
+    """The fake-tensor count and the real probe forwards of the same model (random weights, bf16, our kernels and
+    loss, as finetune_optimized.py runs it) within 3 % per token, and the same plan at 8192 and 65536 on 80 GB."""
+    config = AutoConfig.from_pretrained(ROOT / "configs" / name)
+    peaks, counts, itemsize = plan_module.count_forward_peaks(config, torch.bfloat16)
+    counted = plan_module.model_bytes_from_peaks(config, peaks, 0, counts, itemsize)
+    with torch.device("cuda"):
+        model = finetune_optimized.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                                    attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.train()
+    plan_module.our_kernels(model)
+    probed = plan_module.measure_model_bytes(model, plan_module.linear_ce_loss, None, on_gpu=True)
+    del model
+    torch.cuda.empty_cache()
+    print(f"{name}: counted {counted.layer_bytes_per_token:.0f}, probed {probed.layer_bytes_per_token:.0f} bytes per "
+          f"token per layer; loss fixed {counted.loss_fixed_bytes} / {probed.loss_fixed_bytes}")
+    assert counted.param_count == probed.param_count
+    assert counted.layer_bytes_per_token == pytest.approx(probed.layer_bytes_per_token, rel=0.03)
+    budget, host = plan_module.card_budget_bytes(80), int(0.9 * 0.94 * 128 * GiB)
+    for tokens in (8192, 65536):
+        plans = [choose_plan(budget, model_bytes, 1, tokens, host_budget_bytes=host)[0].levers()
+                 for model_bytes in (counted, probed)]
+        assert plans[0] == plans[1], (tokens, plans)
 
 
 def test_calibration_reproduces_the_h100_figures(llama8b):
@@ -256,165 +382,13 @@ def fake_step(true_limit_bytes, tried, held=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# OffloadedAdamW against torch.optim.AdamW
-
-ADAMW = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
-
-
-def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
-
-
-def batches(n):
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 96, (2, 16), generator=generator) for _ in range(n)]
-
-
-def train(model, optimizer, scheduler, tokens):
-    for input_ids in tokens:
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()  # OffloadedAdamW in the backward: nothing left to do
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
-
-
-def assert_same(model_a, opt_a, model_b, opt_b):
-    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
-        assert torch.equal(a, b), name
-    state_a, state_b = opt_a.state_dict(), opt_b.state_dict()
-    assert state_a["param_groups"] == state_b["param_groups"]
-    assert list(state_a["state"]) == list(state_b["state"])
-    for key, per_param in state_a["state"].items():
-        assert list(per_param) == list(state_b["state"][key])  # step, exp_avg, exp_avg_sq, in AdamW's order
-        for name, value in per_param.items():
-            other = state_b["state"][key][name]
-            assert value.dtype == other.dtype and torch.equal(value.cpu(), other.cpu()), (key, name)
-
-
-def halving_schedule(optimizer):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
-
-
-@pytest.mark.parametrize("in_backward", [True, False])
-def test_offloaded_adamw_equals_adamw_with_weight_decay_and_a_schedule(in_backward):
-    plain_model, offloaded_model = tiny_llama(), tiny_llama()
-    plain = torch.optim.AdamW(plain_model.parameters(), **ADAMW)
-    offloaded = OffloadedAdamW(offloaded_model.parameters(), in_backward=in_backward, **ADAMW)
-    plain_schedule, offloaded_schedule = halving_schedule(plain), halving_schedule(offloaded)
-    tokens = batches(4)
-    train(plain_model, plain, plain_schedule, tokens)
-    train(offloaded_model, offloaded, offloaded_schedule, tokens)
-    assert offloaded.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == ADAMW["lr"] * 0.5**4
-    assert not torch.equal(next(plain_model.parameters()), next(tiny_llama().parameters()))  # it did train
-    assert_same(plain_model, plain, offloaded_model, offloaded)
-    assert offloaded.host_bytes() == sum(2 * p.numel() * 4 for p in offloaded_model.parameters())
-
-
-def test_in_backward_frees_each_gradient_and_prefetches_the_next_parameter():
-    model = tiny_llama()
-    optimizer = OffloadedAdamW(model.parameters(), **ADAMW)
-    original_fetch, found_prefetched = optimizer._fetch, []
-
-    def recording_fetch(param):
-        found_prefetched.append(param in optimizer._on_device)
-        return original_fetch(param)
-    optimizer._fetch = recording_fetch
-    n_params = len(list(model.parameters()))
-    for step, input_ids in enumerate(batches(2)):
-        found_prefetched.clear()
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        assert all(p.grad is None for p in model.parameters())
-        # the first backward learns the order (nothing to prefetch); after it every parameter but the first of
-        # the backward finds its moments already fetched
-        assert sum(found_prefetched) == (0 if step == 0 else n_params - 1)
-    assert not optimizer._on_device  # nothing left on the device between steps
-
-
-@pytest.mark.parametrize("direction", ["adamw_to_offloaded", "offloaded_to_adamw"])
-def test_checkpoints_move_between_adamw_and_offloaded_adamw(direction):
-    """Train 2 steps with one optimizer, save; a copy of the model continues with the other optimizer loaded from
-    that state_dict, the original continues with its own: after 2 more steps both are the same."""
-    first, second = ((torch.optim.AdamW, OffloadedAdamW) if direction == "adamw_to_offloaded"
-                     else (OffloadedAdamW, torch.optim.AdamW))
-    tokens = batches(4)
-    model = tiny_llama()
-    optimizer = first(model.parameters(), **ADAMW)
-    train(model, optimizer, None, tokens[:2])
-    saved = copy.deepcopy(optimizer.state_dict())
-    model_copy = copy.deepcopy(model)
-    other = second(model_copy.parameters(), **ADAMW)
-    other.load_state_dict(saved)
-    if isinstance(other, OffloadedAdamW):
-        assert all(value.device.type == "cpu" for state in other.state.values() for value in state.values())
-    train(model, optimizer, None, tokens[2:])
-    train(model_copy, other, None, tokens[2:])
-    assert_same(model, optimizer, model_copy, other)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# With CUDA: the side-stream copies, pinned host memory, and the memory saved
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def linear_stack(width=1024, depth=6):
-    torch.manual_seed(0)  # linear layers only: their backward is deterministic on the GPU, so bit for bit holds
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).cuda()
-
-
-def train_stack(model, optimizer, steps=3):
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(512, model[0].in_features, device="cuda", generator=generator)
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-@needs_cuda
-@pytest.mark.parametrize("implementation", [{"fused": True}, {"foreach": False}])
-def test_cuda_offloaded_adamw_equals_adamw(implementation):
-    plain_model, offloaded_model = linear_stack(), linear_stack()
-    plain = torch.optim.AdamW(plain_model.parameters(), **ADAMW, **implementation)
-    offloaded = OffloadedAdamW(offloaded_model.parameters(), **ADAMW, **implementation)
-    train_stack(plain_model, plain)
-    train_stack(offloaded_model, offloaded)
-    assert_same(plain_model, plain, offloaded_model, offloaded)
-    moments = [value for state in offloaded.state.values() for key, value in state.items() if key != "step"]
-    assert all(value.device.type == "cpu" and value.is_pinned() for value in moments)
-
-
-@needs_cuda
-def test_cuda_offloaded_adamw_holds_less_gpu_memory():
-    peaks = {}
-    for name, make in (("adamw", torch.optim.AdamW), ("offloaded", OffloadedAdamW)):
-        model = linear_stack(width=2048, depth=8)  # 128 MiB of fp32 weights, 256 MiB of moments
-        optimizer = make(model.parameters(), **ADAMW, fused=True)
-        train_stack(model, optimizer, steps=1)  # the state exists from here on
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        train_stack(model, optimizer, steps=2)
-        torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated()
-        del model, optimizer
-        torch.cuda.empty_cache()
-    moment_bytes = 2 * 8 * (2048 * 2048 + 2048) * 4
-    # the moments and the gradients (which the backward frees one by one) are gone from the GPU
-    assert peaks["offloaded"] < peaks["adamw"] - moment_bytes, peaks
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # The plan inside finetune_optimized.py (tiny LLaMA on the CPU, a budget given with --memory-budget-gib)
 
 def run_planned(tmp_path, *flags):
     """finetune_optimized.py in-process on the stock model (kernels off: the plan does not depend on them, and the
     stock path is the fastest on the Triton interpreter)."""
     out = tmp_path / "run.json"
-    plan_module.main(["--model", "tiny", "--dtype", "fp32", "--steps", "2", "--seq-len", "64", "--out", str(out),
+    finetune_optimized.main(["--model", "tiny", "--dtype", "fp32", "--steps", "2", "--seq-len", "64", "--out", str(out),
                       "--no-rmsnorm", "--no-swiglu", "--no-rope", "--loss", "eager", *flags])
     return json.loads(out.read_text())
 
@@ -422,7 +396,7 @@ def run_planned(tmp_path, *flags):
 def test_a_step_out_of_memory_starts_over_with_a_leaner_plan(tmp_path, monkeypatch, capsys):
     """A fake allocator limit just under the first plan's estimate: its step runs out of memory, main frees it and
     starts over with the next plan, estimated under the one that failed, which trains."""
-    plans, real_apply, real_train = [], plan_module.apply_levers, plan_module.train
+    plans, real_apply, real_train = [], finetune_optimized.apply_levers, finetune_optimized.train
 
     def recording_apply_levers(model, plan):
         plans.append(plan)
@@ -432,8 +406,8 @@ def test_a_step_out_of_memory_starts_over_with_a_leaner_plan(tmp_path, monkeypat
         if plans[-1].estimated_peak_bytes >= plans[0].estimated_peak_bytes:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
         return real_train(*args, **kwargs)
-    monkeypatch.setattr(plan_module, "apply_levers", recording_apply_levers)
-    monkeypatch.setattr(plan_module, "train", limited_train)
+    monkeypatch.setattr(finetune_optimized, "apply_levers", recording_apply_levers)
+    monkeypatch.setattr(finetune_optimized, "train", limited_train)
     result = run_planned(tmp_path, "--memory-budget-gib", "0.01")
     assert len(plans) == 2 and plans[1].estimated_peak_bytes < plans[0].estimated_peak_bytes
     assert f"out of memory with the plan {plans[0].describe()}" in capsys.readouterr().out
@@ -443,10 +417,10 @@ def test_a_step_out_of_memory_starts_over_with_a_leaner_plan(tmp_path, monkeypat
 def test_levers_the_plan_picks_train_and_are_recorded(tmp_path, capsys):
     """A budget too small for the tiny model without levers: the plan takes some, the run trains with them, and the
     JSON records them under the flags' names (what --memory-plan manual repeats)."""
-    result = run_planned(tmp_path, "--memory-budget-gib", "0.0035", "--seq-len", "256")
+    result = run_planned(tmp_path, "--memory-budget-gib", "0.0055", "--seq-len", "256")
     plan = result["memory_plan"]
     assert plan["activation_checkpointing"] != "none" or plan["optimizer_in_backward"] or plan["tiled_mlp"]
-    assert plan["estimated_peak_gib"] <= 0.0035 and "memory plan (auto):" in capsys.readouterr().out
+    assert plan["estimated_peak_gib"] <= 0.0055 and "memory plan (auto):" in capsys.readouterr().out
     assert len(result["losses"]) == 2 and all(math.isfinite(loss) for loss in result["losses"])
 
 
@@ -460,7 +434,7 @@ def test_no_plan_fits_is_one_line(tmp_path):
 def test_offloads_leave_the_host_room_for_checkpoints(tmp_path, monkeypatch):
     """With --save-steps the host memory the offloads may take is less a checkpoint's weights and optimizer state,
     which async_save stages there."""
-    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 10 * 2**30)
+    monkeypatch.setattr(finetune_optimized, "host_memory_available", lambda: 10 * 2**30)
     real_fitting_plans, calls = plan_module.fitting_plans, []
 
     def spy(budget, model_bytes, batch, seq_len, given, host_budget_bytes):
@@ -477,9 +451,63 @@ def test_offloads_leave_the_host_room_for_checkpoints(tmp_path, monkeypatch):
 def test_search_plans_each_length(tmp_path):
     """--seq-len-search with the plan: each length gets its own plan (none at 64 tokens, levers at 256 within the
     same budget), and a length no plan fits is a row that ends the search, not an error."""
-    result = run_planned(tmp_path, "--memory-budget-gib", "0.0035", "--seq-len-search", "64,256,4096,8192")
+    result = run_planned(tmp_path, "--memory-budget-gib", "0.0055", "--seq-len-search", "64,256,4096,8192")
     rows = result["seq_len_search"]["results"]
     assert [row["status"] for row in rows] == ["trained", "trained", "no plan fits", "not tried"]
     assert rows[0]["memory_plan"]["reason"].startswith("no lever")
     assert not rows[1]["memory_plan"]["reason"].startswith("no lever")
     assert "no memory plan fits 4096 tokens" in rows[2]["reason"] and result["seq_len_search"]["longest_trained"] == 256
+
+
+def test_plot_of_peak_memory_against_length(tmp_path):
+    search = {"script": "finetune_baseline.py", "variant": "liger", "options": {"activation_checkpointing": "full"},
+              "seq_len_search": {"results": [
+                  {"seq_len": 16, "status": "trained", "peak_gib": 1.0},
+                  {"seq_len": 32, "status": "out of memory", "phase": "backward", "peak_gib": 2.0},
+                  {"seq_len": 64, "status": "not tried"}]}}
+    (tmp_path / "search.json").write_text(json.dumps(search))
+    proc = subprocess.run([sys.executable, str(ROOT / "memory_plan.py"), "--plot", str(tmp_path / "search.json"),
+                           str(ROOT / "results" / "long_sequences_h200" / "finetune_optimized_ckpt_1x131072_h200.json"),
+                           "--out", str(tmp_path / "memory.png")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.json").write_text("{}")
+    proc = subprocess.run([sys.executable, str(ROOT / "memory_plan.py"), "--plot", str(tmp_path / "bad.json"),
+                           "--out", str(tmp_path / "bad.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not a fine-tune results file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plot_leaves_out_runs_without_a_gpu_and_refuses_other_files(tmp_path, capsys):
+    """A run without a GPU writes peak memory null: --plot leaves it out and says so, and with nothing else to plot
+    it ends with one line. A profile's .summary.json (it has a peak_memory_gib too) is not a fine-tune result."""
+    cpu_run = {"script": "finetune_baseline.py", "variant": "baseline", "options": {"seq_len": 32},
+               "peak_memory_gib": None, "offload": None}
+    cpu_search = {"script": "finetune_optimized.py", "variant": "rmsnorm+linear_ce", "options": {},
+                  "seq_len_search": {"results": [{"seq_len": 8, "status": "trained", "peak_gib": None}]}}
+    gpu_search = {"script": "finetune_optimized.py", "variant": "rmsnorm+linear_ce", "options": {},
+                  "seq_len_search": {"results": [{"seq_len": 8, "status": "trained", "peak_gib": 1.0}]}}
+    profile = {"script": "profile_baseline.py", "variant": "baseline", "options": {"seq_len": 32},
+               "peak_memory_gib": 2.0}
+    for name, content in (("cpu", cpu_run), ("cpu_search", cpu_search), ("gpu", gpu_search), ("profile", profile)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    png = tmp_path / "memory.png"
+
+    plan_module.main(["--plot", str(tmp_path / "cpu.json"), str(tmp_path / "gpu.json"), "--out", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"left out, no peak GPU memory (run without a GPU): {tmp_path / 'cpu.json'} (32 tokens)" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit, match="^error: --plot: nothing to plot: no run in these files measured its peak "
+                                         "GPU memory$"):
+        plan_module.main(["--plot", str(tmp_path / "cpu.json"), str(tmp_path / "cpu_search.json"), "--out", str(png)])
+    with pytest.raises(SystemExit) as exit_info:
+        plan_module.main(["--plot", str(tmp_path / "gpu.json"), str(tmp_path / "profile.json"), "--out", str(png)])
+    assert str(exit_info.value) == (f"error: --plot {tmp_path / 'profile.json'}: not a fine-tune results file (written "
+                                    f"by profile_baseline.py); --plot reads the JSON of finetune_baseline.py and "
+                                    f"finetune_optimized.py")
+    # a search file of an older format (rows with "trained": true, no "status"): one line too, not a traceback
+    older = {**gpu_search, "seq_len_search": {"results": [{"seq_len": 8, "trained": True, "peak_gib": 1.0}]}}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    with pytest.raises(SystemExit, match="older.json: not a fine-tune results file this version reads "
+                                         r"\(KeyError: 'status'\)$"):
+        plan_module.main(["--plot", str(tmp_path / "older.json"), "--out", str(png)])

@@ -1,4 +1,4 @@
-"""The memory levers of finetune_optimized.py, on the tiny LLaMA in fp32 (CPU, Triton interpreter), with the fused
+"""memory_levers.py, the levers of finetune_optimized.py's memory plan, on the tiny LLaMA in fp32 (CPU, Triton interpreter), with the fused
 kernels and on the stock model (kernels off).
 
 - Activation checkpointing (full, selective), tiled MLP and activation offload change what the step keeps, not what it
@@ -12,7 +12,12 @@ kernels and on the stock model (kernels off).
   the same elementwise update either way: equal to the bit here).
 - The seq-len search reports trained / out of memory (with the part of the step) / not tried; contradictory or bad
   flags exit non-zero with one line and write no JSON.
+- OffloadedAdamW: on the CPU (fp32, a tiny LLaMA) its parameters and moments equal torch.optim.AdamW's bit for bit
+  over several steps, with weight decay and an lr schedule, stepping in the backward or in step(); its state_dict has
+  AdamW's layout and either optimizer's checkpoint continues in the other. With CUDA: the same on the GPU (fused),
+  the moments pinned on the host, and a lower peak than AdamW's.
 """
+import copy
 import json
 import os
 import subprocess
@@ -27,6 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules must set up Triton before transformers loads it)
+import memory_levers  # noqa: E402
+from memory_levers import OffloadedAdamW  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 
@@ -89,7 +97,7 @@ class AttentionCalls(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in finetune_optimized.ATTENTION_KERNELS
+        self.count += func in memory_levers.ATTENTION_KERNELS
         return func(*args, **(kwargs or {}))
 
 
@@ -109,10 +117,10 @@ def test_same_loss_and_gradients_as_a_plain_step(script_name, config, rope_patch
 
     model = tiny_model(script)
     if tile:
-        script.tile_mlps(model, tile)
+        memory_levers.tile_mlps(model, tile)
     offloader = None
     if mode != "none":
-        offloader = script.enable_activation_checkpointing(model, mode, offload, checkpoint_layers)
+        offloader = memory_levers.enable_activation_checkpointing(model, mode, offload, checkpoint_layers)
     loss, grads = loss_and_grads(script, model, input_ids)
 
     assert len(ref_grads) == len(grads) == len(list(model.parameters()))
@@ -131,7 +139,7 @@ def test_same_loss_and_gradients_as_a_plain_step(script_name, config, rope_patch
 def test_selective_checkpointing_does_not_recompute_attention(mode, expected_calls):
     stock = SCRIPTS["stock"]
     model = tiny_model(stock, dtype=KERNEL_DTYPE)
-    stock.enable_activation_checkpointing(model, mode, 0)
+    memory_levers.enable_activation_checkpointing(model, mode, 0)
     input_ids = torch.randint(0, 1000, (1, 24)).to(DEVICE)
     with AttentionCalls() as calls:
         loss_and_grads(stock, model, input_ids)
@@ -142,7 +150,7 @@ def test_tiled_mlp_keeps_one_weight_gradient_per_step():
     """The tiled MLP hands each weight's gradient to autograd once (a hook counting accumulations sees one)."""
     stock = SCRIPTS["stock"]
     model = tiny_model(stock)
-    stock.tile_mlps(model, 8)
+    memory_levers.tile_mlps(model, 8)
     arrivals = []
     model.model.layers[0].mlp.gate_proj.weight.register_post_accumulate_grad_hook(lambda p: arrivals.append(1))
     loss_and_grads(stock, model, torch.randint(0, 1000, (1, 40)).to(DEVICE))
@@ -159,7 +167,7 @@ def test_optimizer_in_backward_matches_a_normal_step(script_name, rope_patch):
         make = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True)  # noqa: E731
         optimizer = None
         if in_backward:
-            script.optimizer_in_backward(model, make)
+            memory_levers.optimizer_in_backward(model, make)
         else:
             optimizer = make(list(model.parameters()))
         losses = []
@@ -179,12 +187,12 @@ def test_offloader_pins_its_buffers_once(monkeypatch):
     """reserve pins one host buffer per offloaded layer, of the layer input's shape and dtype, before the first step;
     every step's pack copies into those same buffers (a step pins nothing), the gradients are those of a run without
     offload, and another length replaces the buffers."""
-    requests, pinned_empty = [], finetune_optimized.pinned_empty
-    monkeypatch.setattr(finetune_optimized, "pinned_empty",
+    requests, pinned_empty = [], memory_levers.pinned_empty
+    monkeypatch.setattr(memory_levers, "pinned_empty",
                         lambda shape, dtype: requests.append((tuple(shape), dtype)) or pinned_empty(shape, dtype))
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)]
-    offloader = finetune_optimized.ActivationOffloader(hidden_size=8)
+    offloader = memory_levers.ActivationOffloader(hidden_size=8)
     checkpoints = [offloader.wrap(torch.utils.checkpoint.checkpoint) for _ in layers]
     offloader.reserve(1, 16, torch.float32)
     assert requests == [((1, 16, 8), torch.float32)] * 3
@@ -211,7 +219,7 @@ def test_offloader_pins_its_buffers_once(monkeypatch):
 def test_pinned_empty_is_exactly_its_shape():
     """On the CPU a plain tensor; on a GPU pinned, big ones registered at their exact size (no power-of-two block)."""
     for shape in [(3, 5), (1, 4097, 2049)]:  # small, and just above PINNED_REGISTER_MIN_BYTES (fp32)
-        tensor = finetune_optimized.pinned_empty(shape, torch.float32)
+        tensor = memory_levers.pinned_empty(shape, torch.float32)
         assert tensor.shape == shape and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
         assert tensor.is_pinned() == torch.cuda.is_available()
 
@@ -312,56 +320,153 @@ def test_contradictory_flags_are_one_clear_error(flags, message, tmp_path):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_plot_of_peak_memory_against_length(tmp_path):
-    search = {"script": "finetune_baseline.py", "variant": "liger", "options": {"activation_checkpointing": "full"},
-              "seq_len_search": {"results": [
-                  {"seq_len": 16, "status": "trained", "peak_gib": 1.0},
-                  {"seq_len": 32, "status": "out of memory", "phase": "backward", "peak_gib": 2.0},
-                  {"seq_len": 64, "status": "not tried"}]}}
-    (tmp_path / "search.json").write_text(json.dumps(search))
-    proc = subprocess.run([sys.executable, str(ROOT / "finetune_optimized.py"), "--plot", str(tmp_path / "search.json"),
-                           str(ROOT / "results" / "long_sequences_h200" / "finetune_optimized_ckpt_1x131072_h200.json"),
-                           "--out", str(tmp_path / "memory.png")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (tmp_path / "bad.json").write_text("{}")
-    proc = subprocess.run([sys.executable, str(ROOT / "finetune_optimized.py"), "--plot", str(tmp_path / "bad.json"),
-                           "--out", str(tmp_path / "bad.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "not a fine-tune results file" in proc.stderr and "Traceback" not in proc.stderr
+# ----------------------------------------------------------------------------------------------------------------------
+# OffloadedAdamW against torch.optim.AdamW
+
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
 
 
-def test_plot_leaves_out_runs_without_a_gpu_and_refuses_other_files(tmp_path, capsys):
-    module = finetune_optimized
-    """A run without a GPU writes peak memory null: --plot leaves it out and says so, and with nothing else to plot
-    it ends with one line. A profile's .summary.json (it has a peak_memory_gib too) is not a fine-tune result."""
-    cpu_run = {"script": "finetune_baseline.py", "variant": "baseline", "options": {"seq_len": 32},
-               "peak_memory_gib": None, "offload": None}
-    cpu_search = {"script": "finetune_optimized.py", "variant": "rmsnorm+linear_ce", "options": {},
-                  "seq_len_search": {"results": [{"seq_len": 8, "status": "trained", "peak_gib": None}]}}
-    gpu_search = {"script": "finetune_optimized.py", "variant": "rmsnorm+linear_ce", "options": {},
-                  "seq_len_search": {"results": [{"seq_len": 8, "status": "trained", "peak_gib": 1.0}]}}
-    profile = {"script": "profile_baseline.py", "variant": "baseline", "options": {"seq_len": 32},
-               "peak_memory_gib": 2.0}
-    for name, content in (("cpu", cpu_run), ("cpu_search", cpu_search), ("gpu", gpu_search), ("profile", profile)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(content))
-    png = tmp_path / "memory.png"
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
 
-    module.main(["--plot", str(tmp_path / "cpu.json"), str(tmp_path / "gpu.json"), "--out", str(png)])
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"left out, no peak GPU memory (run without a GPU): {tmp_path / 'cpu.json'} (32 tokens)" in \
-        capsys.readouterr().out
-    with pytest.raises(SystemExit, match="^error: --plot: nothing to plot: no run in these files measured its peak "
-                                         "GPU memory$"):
-        module.main(["--plot", str(tmp_path / "cpu.json"), str(tmp_path / "cpu_search.json"), "--out", str(png)])
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(["--plot", str(tmp_path / "gpu.json"), str(tmp_path / "profile.json"), "--out", str(png)])
-    assert str(exit_info.value) == (f"error: --plot {tmp_path / 'profile.json'}: not a fine-tune results file (written "
-                                    f"by profile_baseline.py); --plot reads the JSON of finetune_baseline.py and "
-                                    f"finetune_optimized.py")
-    # a search file of an older format (rows with "trained": true, no "status"): one line too, not a traceback
-    older = {**gpu_search, "seq_len_search": {"results": [{"seq_len": 8, "trained": True, "peak_gib": 1.0}]}}
-    (tmp_path / "older.json").write_text(json.dumps(older))
-    with pytest.raises(SystemExit, match="older.json: not a fine-tune results file this version reads "
-                                         r"\(KeyError: 'status'\)$"):
-        module.main(["--plot", str(tmp_path / "older.json"), "--out", str(png)])
+
+def batches(n):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 96, (2, 16), generator=generator) for _ in range(n)]
+
+
+def train(model, optimizer, scheduler, tokens):
+    for input_ids in tokens:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()  # OffloadedAdamW in the backward: nothing left to do
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+
+def assert_same(model_a, opt_a, model_b, opt_b):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+    state_a, state_b = opt_a.state_dict(), opt_b.state_dict()
+    assert state_a["param_groups"] == state_b["param_groups"]
+    assert list(state_a["state"]) == list(state_b["state"])
+    for key, per_param in state_a["state"].items():
+        assert list(per_param) == list(state_b["state"][key])  # step, exp_avg, exp_avg_sq, in AdamW's order
+        for name, value in per_param.items():
+            other = state_b["state"][key][name]
+            assert value.dtype == other.dtype and torch.equal(value.cpu(), other.cpu()), (key, name)
+
+
+def halving_schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_offloaded_adamw_equals_adamw_with_weight_decay_and_a_schedule(in_backward):
+    plain_model, offloaded_model = tiny_llama(), tiny_llama()
+    plain = torch.optim.AdamW(plain_model.parameters(), **ADAMW)
+    offloaded = OffloadedAdamW(offloaded_model.parameters(), in_backward=in_backward, **ADAMW)
+    plain_schedule, offloaded_schedule = halving_schedule(plain), halving_schedule(offloaded)
+    tokens = batches(4)
+    train(plain_model, plain, plain_schedule, tokens)
+    train(offloaded_model, offloaded, offloaded_schedule, tokens)
+    assert offloaded.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == ADAMW["lr"] * 0.5**4
+    assert not torch.equal(next(plain_model.parameters()), next(tiny_llama().parameters()))  # it did train
+    assert_same(plain_model, plain, offloaded_model, offloaded)
+    assert offloaded.host_bytes() == sum(2 * p.numel() * 4 for p in offloaded_model.parameters())
+
+
+def test_in_backward_frees_each_gradient_and_prefetches_the_next_parameter():
+    model = tiny_llama()
+    optimizer = OffloadedAdamW(model.parameters(), **ADAMW)
+    original_fetch, found_prefetched = optimizer._fetch, []
+
+    def recording_fetch(param):
+        found_prefetched.append(param in optimizer._on_device)
+        return original_fetch(param)
+    optimizer._fetch = recording_fetch
+    n_params = len(list(model.parameters()))
+    for step, input_ids in enumerate(batches(2)):
+        found_prefetched.clear()
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        assert all(p.grad is None for p in model.parameters())
+        # the first backward learns the order (nothing to prefetch); after it every parameter but the first of
+        # the backward finds its moments already fetched
+        assert sum(found_prefetched) == (0 if step == 0 else n_params - 1)
+    assert not optimizer._on_device  # nothing left on the device between steps
+
+
+@pytest.mark.parametrize("direction", ["adamw_to_offloaded", "offloaded_to_adamw"])
+def test_checkpoints_move_between_adamw_and_offloaded_adamw(direction):
+    """Train 2 steps with one optimizer, save; a copy of the model continues with the other optimizer loaded from
+    that state_dict, the original continues with its own: after 2 more steps both are the same."""
+    first, second = ((torch.optim.AdamW, OffloadedAdamW) if direction == "adamw_to_offloaded"
+                     else (OffloadedAdamW, torch.optim.AdamW))
+    tokens = batches(4)
+    model = tiny_llama()
+    optimizer = first(model.parameters(), **ADAMW)
+    train(model, optimizer, None, tokens[:2])
+    saved = copy.deepcopy(optimizer.state_dict())
+    model_copy = copy.deepcopy(model)
+    other = second(model_copy.parameters(), **ADAMW)
+    other.load_state_dict(saved)
+    if isinstance(other, OffloadedAdamW):
+        assert all(value.device.type == "cpu" for state in other.state.values() for value in state.values())
+    train(model, optimizer, None, tokens[2:])
+    train(model_copy, other, None, tokens[2:])
+    assert_same(model, optimizer, model_copy, other)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# With CUDA: the side-stream copies, pinned host memory, and the memory saved
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def linear_stack(width=1024, depth=6):
+    torch.manual_seed(0)  # linear layers only: their backward is deterministic on the GPU, so bit for bit holds
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).cuda()
+
+
+def train_stack(model, optimizer, steps=3):
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(512, model[0].in_features, device="cuda", generator=generator)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("implementation", [{"fused": True}, {"foreach": False}])
+def test_cuda_offloaded_adamw_equals_adamw(implementation):
+    plain_model, offloaded_model = linear_stack(), linear_stack()
+    plain = torch.optim.AdamW(plain_model.parameters(), **ADAMW, **implementation)
+    offloaded = OffloadedAdamW(offloaded_model.parameters(), **ADAMW, **implementation)
+    train_stack(plain_model, plain)
+    train_stack(offloaded_model, offloaded)
+    assert_same(plain_model, plain, offloaded_model, offloaded)
+    moments = [value for state in offloaded.state.values() for key, value in state.items() if key != "step"]
+    assert all(value.device.type == "cpu" and value.is_pinned() for value in moments)
+
+
+@needs_cuda
+def test_cuda_offloaded_adamw_holds_less_gpu_memory():
+    peaks = {}
+    for name, make in (("adamw", torch.optim.AdamW), ("offloaded", OffloadedAdamW)):
+        model = linear_stack(width=2048, depth=8)  # 128 MiB of fp32 weights, 256 MiB of moments
+        optimizer = make(model.parameters(), **ADAMW, fused=True)
+        train_stack(model, optimizer, steps=1)  # the state exists from here on
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        train_stack(model, optimizer, steps=2)
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated()
+        del model, optimizer
+        torch.cuda.empty_cache()
+    moment_bytes = 2 * 8 * (2048 * 2048 + 2048) * 4
+    # the moments and the gradients (which the backward frees one by one) are gone from the GPU
+    assert peaks["offloaded"] < peaks["adamw"] - moment_bytes, peaks
