@@ -16,7 +16,7 @@ Why Gluon
 Plain Triton decides on its own what goes to shared memory. Gluon (triton.experimental.gluon), Triton's lower-level
 dialect, is the same Python-embedded language with explicit register layouts, explicit shared-memory buffers and
 explicit asynchronous copies (`cp.async`: global -> shared without passing through registers). The arithmetic is the
-row kernel's: the same online softmax, exp2 and gradient helpers, imported from cross_entropy_kernel.py (Gluon code can
+row kernel's: the same online softmax, exp2 and gradient helpers, imported from online_softmax.py (Gluon code can
 call @triton.jit functions).
 
 The schedule: a ring of Q slots for K streamed chunks, the rest kept
@@ -48,10 +48,10 @@ and 16-byte-aligned rows, on compute capability 9.x when the installed Gluon has
 CPU interpreter the same source runs through a stand-in for those names (the appendix at the end), which models
 cp.async closely enough that the CPU tests check the schedule's wait counts.
 """
-# cross_entropy_kernel first: without a GPU it switches Triton to its CPU interpreter before triton is imported.
-from cross_entropy_kernel import (INTERPRETER, _LANE_WIDTH, _argmax_lane, _gradient_scales, _lane_argmax_update,
-                                  _merge_lanes, _online_softmax_update, _round_to, _row_loss, _row_start, _softcap,
-                                  _softcap_slope, _softmax_gradient, _store_argmax)
+# online_softmax first: without a GPU it switches Triton to its CPU interpreter before triton is imported.
+from online_softmax import (INTERPRETER, _LANE_WIDTH, _argmax_lane, _gradient_scales, _lane_argmax_update,
+                            _merge_lanes, _online_softmax_update, _round_to, _row_loss, _row_start, _softcap,
+                            _softcap_slope, _softmax_gradient, _store_argmax)
 import triton
 import triton.language as tl
 
