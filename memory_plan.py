@@ -16,7 +16,7 @@ What a decoder layer keeps per token, and how it is measured
 ------------------------------------------------------------
 Without checkpointing a layer keeps, for its backward, every tensor autograd saved: the norms' inputs, q, k, v after
 the rotary embedding, attention's output and log-sum-exp, o_proj's input, the MLP's gate, up and their product (the
-fused kernels change that list; about 137 KiB per token for Llama-3.1-8B). The number is measured, not written down:
+fused kernels change that list; about 136 KiB per token for Llama-3.1-8B). The number is measured, not written down:
 two forwards of the model as the fine-tune runs it, at 1024 and 2048 tokens, and the difference of their peaks over
 the 1024 tokens between them is the per-token part alone (the loss's chunk of logits and the lm_head gradient the
 fused loss computes in its forward are the same at both lengths and cancel).
@@ -770,10 +770,10 @@ def plan_record(plan):
 CARD_VISIBLE_FRACTION = 0.99
 CUDA_CONTEXT_GIB = 0.75
 # Pinned offloads may take 90 % of the host memory the kernel reports available (MemAvailable); the rest is the
-# process's own and the system's. A host's available memory is about 94 % of its total once the OS and the training
-# process are up.
+# process's own and the system's. Available is about 95 % of a host's memory once the system is up: 130.8 and 131.5 GB
+# (121.8 and 122.5 GiB) at the start of two calls on the 128 GiB H100 machine (results/NOTES.md, 2026-12-06).
 PINNED_HOST_FRACTION = 0.9
-HOST_AVAILABLE_FRACTION = 0.94
+HOST_AVAILABLE_FRACTION = 0.95
 
 
 def usable_gpu_bytes(visible_bytes):
@@ -785,6 +785,11 @@ def usable_gpu_bytes(visible_bytes):
 def card_budget_bytes(gpu_gib):
     """usable_gpu_bytes of a card sold as gpu_gib GiB."""
     return usable_gpu_bytes((CARD_VISIBLE_FRACTION * gpu_gib - CUDA_CONTEXT_GIB) * GiB)
+
+
+def host_budget_bytes(host_gib):
+    """What pinned offloads may take on a host of host_gib GiB."""
+    return int(PINNED_HOST_FRACTION * HOST_AVAILABLE_FRACTION * host_gib * GiB)
 
 
 def longest_trainable(budget_bytes, model_bytes, batch, host_budget_bytes, step=1024):
@@ -919,7 +924,7 @@ def build_parser():
     add("--batch-size", type=int, default=1, help="sequences per step")
     add("--gpu-gib", type=float, nargs="+", default=[80.0], metavar="GIB",
         help="the card's memory as sold (80 for an H100 80GB, 141 for an H200); several give one row each")
-    add("--host-gib", type=float, default=None, help="the host's memory (default: this machine's)")
+    add("--host-gib", type=float, default=None, help="the host's memory; None: this machine's")
     add("--dtype", choices=list(DTYPES), default="bf16", help="the weights' and AdamW moments' dtype")
     add("--longest", action="store_true", help="instead of --seq-len: the longest sequence each card trains (batch "
         "--batch-size), with its plan")
@@ -984,7 +989,7 @@ def main(argv=None):
     count_s = time.perf_counter() - t0
     host_gib = args.host_gib if args.host_gib is not None else \
         os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GiB
-    host_budget = int(PINNED_HOST_FRACTION * HOST_AVAILABLE_FRACTION * host_gib * GiB)
+    host_budget = host_budget_bytes(host_gib)
     print(f"model: {args.model} (config from {source}): {config.model_type}, {counts[0] / 1e9:.2f} B parameters, "
           f"{config.num_hidden_layers} layers, {args.dtype}; full fine-tune with AdamW, ours (fused RMSNorm, SwiGLU, "
           f"RoPE, linear cross-entropy)")

@@ -31,7 +31,7 @@ from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import rms_norm  # noqa: E402
 from rope_kernel import apply_rotary_pos_emb  # noqa: E402
 from swiglu_kernel import swiglu  # noqa: E402
-from test_long_context import tiny_model  # noqa: E402  (the tiny LLaMA with the kernels patched in, as here)
+from test_memory_levers import tiny_model  # noqa: E402  (the tiny LLaMA with the kernels patched in, as here)
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@
   the test also checks that the loss really moves by more than 0.1).
 - The optimized loss paths give transformers' own loss, model(input_ids, labels=labels).loss, with labels containing
   -100 (same shift, same denominator), and the same gradients.
-- The seq-len search reports the longest length that trained (its out-of-memory handling: test_long_context.py);
+- The seq-len search reports the longest length that trained (its out-of-memory handling: test_memory_levers.py);
   without a GPU its peak memory is null and printed "n/a (CPU)", as the training summary does.
 - --data reads each way datasets users keep a data set (save_to_disk folders, json/jsonl/parquet/csv/text files, a
   folder of data files), written by the test: the token stream must equal the reference, the UTF-8 bytes of every

@@ -219,14 +219,15 @@ def test_the_command_finds_the_longest_sequence_per_card(tmp_path):
     assert result["config_source"] == "configs/llama-3.1-8b"  # not in the cache here: the built-in config
     small, large = result["rows"]
     assert large["seq_len"] >= 393216 and small["seq_len"] < large["seq_len"]
-    assert large["estimated_host_gib"] <= 0.9 * 0.94 * 128 and large["estimated_peak_gib"] <= large["budget_gib"]
+    assert large["estimated_host_gib"] <= plan_module.host_budget_bytes(128) / GiB
+    assert large["estimated_peak_gib"] <= large["budget_gib"]
 
 
 def test_the_longest_sequence_is_the_boundary():
     """longest_trainable's answer fits and one step more does not."""
     config = llama31_8b_config()
     model_bytes = model_bytes_from_probe(config, 138_000)
-    budget, host = plan_module.card_budget_bytes(80), int(0.9 * 0.94 * 128 * GiB)
+    budget, host = plan_module.card_budget_bytes(80), plan_module.host_budget_bytes(128)
     seq_len, plan = plan_module.longest_trainable(budget, model_bytes, 1, host, step=8192)
     assert plan is not None and plan.estimated_peak_bytes <= budget
     assert choose_plan(budget, model_bytes, 1, seq_len + 8192, host_budget_bytes=host)[0] is None
@@ -263,7 +264,7 @@ def test_cuda_count_and_probe_agree_and_plan_alike(name):
           f"token per layer; loss fixed {counted.loss_fixed_bytes} / {probed.loss_fixed_bytes}")
     assert counted.param_count == probed.param_count
     assert counted.layer_bytes_per_token == pytest.approx(probed.layer_bytes_per_token, rel=0.03)
-    budget, host = plan_module.card_budget_bytes(80), int(0.9 * 0.94 * 128 * GiB)
+    budget, host = plan_module.card_budget_bytes(80), plan_module.host_budget_bytes(128)
     for tokens in (8192, 65536):
         plans = [choose_plan(budget, model_bytes, 1, tokens, host_budget_bytes=host)[0].levers()
                  for model_bytes in (counted, probed)]
