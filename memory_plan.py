@@ -97,11 +97,35 @@ GiB = 2**30
 # What the config fixes: the parameters
 
 
-def param_counts(model):
-    """(total, one decoder layer, largest tensor) parameter counts of a built model (real or fake weights), for every
-    family's layout (fused qkv, q/k norms, tied embeddings: a tied weight is one Parameter, counted once)."""
-    sizes = [param.numel() for param in model.parameters()]
-    return sum(sizes), sum(param.numel() for param in model.model.layers[0].parameters()), max(sizes)
+@dataclasses.dataclass(frozen=True)
+class Parameters:
+    """What the step's fixed memory depends on, read off a built model (real or fake weights, adapters included)."""
+    count: int  # every parameter (a tied weight is one Parameter, counted once)
+    layer_count: int  # one decoder layer's
+    largest_count: int  # the largest tensor's (the embedding or lm_head in a full fine-tune)
+    stored_bytes: int  # the weights as stored: 2 bytes a bf16 weight, about 0.52 an NF4 one (QLoRA)
+    trainable_count: int  # the parameters that get gradients and AdamW moments (LoRA: the adapters')
+    trainable_bytes: int  # their bytes: the gradients' and each AdamW moment's (peft keeps adapters in fp32)
+
+
+def stored_bytes(tensor):
+    """A tensor's bytes as stored: a tensor subclass that packs its data (torchao's NF4Tensor) by its inner tensors."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def parameters_of(model):
+    """The model's Parameters, for every family's layout (fused qkv, q/k norms, tied embeddings) and under LoRA."""
+    params = list(model.parameters())
+    trainable = [param for param in params if param.requires_grad]
+    return Parameters(count=sum(param.numel() for param in params),
+                      layer_count=sum(param.numel() for param in model.model.layers[0].parameters()),
+                      largest_count=max((param.numel() for param in trainable), default=0),
+                      stored_bytes=sum(stored_bytes(param) for param in params),
+                      trainable_count=sum(param.numel() for param in trainable),
+                      trainable_bytes=sum(stored_bytes(param) for param in trainable))
 
 
 def llama_param_counts(config):
@@ -142,6 +166,23 @@ def our_kernels(model):
     apply_rmsnorm(model)
     apply_glu_mlp(model)
     apply_rope(model)
+
+
+def lora_and_our_kernels(rank, nf4_base=False):
+    """patch_model for a LoRA fine-tune as finetune_optimized.py --lora R [--qlora] runs it: peft's adapters of rank R
+    on every Linear of the decoder layers (peft's "all-linear", not the lm_head), the rest frozen; with nf4_base the
+    base's decoder Linears first stored in torchao's NF4 (4-bit codes in blocks of 64, block scales in groups of 256);
+    then our kernels."""
+    def patch(model):
+        from peft import LoraConfig, get_peft_model
+        from torchao.quantization import to_nf4
+        for linear in model.model.layers.modules() if nf4_base else ():
+            if isinstance(linear, torch.nn.Linear):
+                groups = math.gcd(256, linear.weight.numel() // 64)  # a tiny config's weight may hold fewer blocks
+                linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), 64, groups), requires_grad=False)
+        get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+        our_kernels(model)
+    return patch
 
 
 def linear_ce_loss(model, input_ids):
@@ -199,12 +240,29 @@ class StorageBytes(TorchDispatchMode):
         return out
 
 
+def _to_new_parameters(module, *args, **kwargs):
+    """torch.nn.Module.to for fake parameters: torch would swap each one in place, which fails for a fake tensor
+    (torch holds a weak reference to it); new Parameters on the device and in the dtype asked for do the same here.
+    peft's adapters are made and moved this way."""
+    device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+    for submodule in module.modules():
+        for name, tensor in (*submodule._parameters.items(), *submodule._buffers.items()):
+            if tensor is None:
+                continue
+            moved = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            if name in submodule._parameters:
+                submodule._parameters[name] = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+            else:
+                submodule._buffers[name] = moved
+    return module
+
+
 def _skip_launch(*args, **kwargs):
     """A Triton launch on fake tensors: there is no data to compute, and the launcher has allocated its outputs."""
 
 
 def count_forward_peaks(config, dtype, patch_model=our_kernels, forward_loss=linear_ce_loss):
-    """({tokens: forward peak bytes}, parameter counts, the weights' itemsize): the probe forwards of the model `config`
+    """({tokens: forward peak bytes}, Parameters of the model): the probe forwards of the model `config`
     builds, patched by patch_model and run by forward_loss(model, input_ids), on fake tensors: no weights, no memory,
     no GPU. The fake device is where the kernels run (the GPU where there is one, else the CPU), so every launcher
     takes its own path and allocates what it would."""
@@ -212,6 +270,7 @@ def count_forward_peaks(config, dtype, patch_model=our_kernels, forward_loss=lin
     with contextlib.ExitStack() as stack:
         for launcher in (triton.runtime.jit.JITFunction, triton.runtime.interpreter.InterpretedFunction):
             stack.enter_context(unittest.mock.patch.object(launcher, "run", _skip_launch))
+        stack.enter_context(unittest.mock.patch.object(torch.nn.Module, "to", _to_new_parameters))
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(torch.device("cuda" if HAS_CUDA else "cpu"))
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -226,7 +285,7 @@ def count_forward_peaks(config, dtype, patch_model=our_kernels, forward_loss=lin
                 loss = forward_loss(model, input_ids)
             peaks[tokens] = counter.peak_bytes
             del loss
-        return peaks, param_counts(model), next(model.parameters()).element_size()
+        return peaks, parameters_of(model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +299,9 @@ class ModelBytes:
     vocab_size: int
     param_count: int
     layer_param_count: int  # one decoder layer's parameters (attention, MLP, its two norms)
-    largest_param_count: int  # the largest parameter tensor (embedding or lm_head): when parameters are stepped one
-    # at a time, the most gradient or moment bytes the GPU holds at once
+    largest_param_count: int  # the largest parameter tensor that trains (embedding or lm_head): when parameters are
+    # stepped one at a time, the most gradient or moment bytes the GPU holds at once
+    trainable_param_count: int  # the parameters with gradients: all of them, or LoRA's adapters
     param_bytes: int
     grad_bytes: int
     optimizer_state_bytes: int
@@ -267,16 +327,21 @@ class ModelBytes:
         """What an MLP keeps for its backward: gate and up projections and their product (down_proj's input)."""
         return 3 * self.intermediate_size * self.activation_itemsize
 
-    def grad_bytes_of(self, n_params):
-        return n_params * self.grad_bytes / self.param_count
+    @property
+    def layer_grad_bytes(self):
+        """One decoder layer's gradients: its share of the trained parameters (LoRA's adapters are in every layer)."""
+        return self.grad_bytes * self.layer_param_count / self.param_count
 
-    def state_bytes_of(self, n_params):
-        return n_params * self.optimizer_state_bytes / self.param_count
+    def grad_bytes_of(self, n_trainable):
+        return n_trainable * self.grad_bytes / self.trainable_param_count
+
+    def state_bytes_of(self, n_trainable):
+        return n_trainable * self.optimizer_state_bytes / self.trainable_param_count
 
 
 def probe_model_bytes(config, forward_peak_bytes, allocated_before_bytes, probe_tokens, *, param_itemsize,
                       optimizer_state_itemsize, optimizer_moments=2, activation_itemsize=None, loss_fixed_bytes=0,
-                      loss_bytes_per_token=None, backward_extra_bytes_per_token=None, param_counts=None):
+                      loss_bytes_per_token=None, backward_extra_bytes_per_token=None, parameters=None):
     """ModelBytes from one probe step without levers, after the optimizer state exists (a warm-up step).
 
     forward_peak_bytes: torch.cuda.max_memory_allocated() right after the forward and the loss of the probe step
@@ -295,7 +360,9 @@ def probe_model_bytes(config, forward_peak_bytes, allocated_before_bytes, probe_
     flight: the gradient arriving at its output and the one it returns for its input (2 * hidden * itemsize per token
     by default; the backward frees the rebuilt activations as it consumes them).
 
-    param_counts: (total, one layer, largest) from param_counts(model); by default llama_param_counts(config)."""
+    parameters: the model's Parameters (parameters_of), which also say what trains (LoRA: the adapters alone carry
+    gradients and moments); by default every parameter of a LLaMA-shaped config trains (llama_param_counts), stored
+    at param_itemsize with moments at optimizer_state_itemsize."""
     if probe_tokens <= 0 or forward_peak_bytes <= allocated_before_bytes:
         raise ValueError(f"probe_model_bytes: a probe of {probe_tokens} tokens must raise the peak above the "
                          f"{allocated_before_bytes} bytes allocated before it (got {forward_peak_bytes})")
@@ -310,28 +377,35 @@ def probe_model_bytes(config, forward_peak_bytes, allocated_before_bytes, probe_
     if layer_bytes_per_token <= h * activation_itemsize:
         raise ValueError(f"probe_model_bytes: {layer_bytes_per_token:.0f} bytes per token per layer is less than one "
                          f"layer's input: was the probe step run without checkpointing, with the peak reset?")
-    param_count, layer_param_count, largest_param_count = param_counts or llama_param_counts(config)
+    if parameters is None:
+        count, layer_count, largest_count = llama_param_counts(config)
+        parameters = Parameters(count, layer_count, largest_count, stored_bytes=count * param_itemsize,
+                                trainable_count=count, trainable_bytes=count * param_itemsize)
+        state_bytes = optimizer_moments * count * optimizer_state_itemsize
+    else:  # torch's AdamW keeps its moments in each parameter's dtype
+        state_bytes = optimizer_moments * parameters.trainable_bytes
     return ModelBytes(
         n_layers=config.num_hidden_layers, hidden_size=h, intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads, vocab_size=config.vocab_size, param_count=param_count,
-        layer_param_count=layer_param_count, largest_param_count=largest_param_count,
-        param_bytes=param_count * param_itemsize, grad_bytes=param_count * param_itemsize,
-        optimizer_state_bytes=optimizer_moments * param_count * optimizer_state_itemsize,
+        num_attention_heads=config.num_attention_heads, vocab_size=config.vocab_size, param_count=parameters.count,
+        layer_param_count=parameters.layer_count, largest_param_count=parameters.largest_count,
+        trainable_param_count=parameters.trainable_count, param_bytes=parameters.stored_bytes,
+        grad_bytes=parameters.trainable_bytes, optimizer_state_bytes=state_bytes,
         activation_itemsize=activation_itemsize, layer_bytes_per_token=layer_bytes_per_token,
         loss_bytes_per_token=loss_bytes_per_token, loss_fixed_bytes=loss_fixed_bytes,
         recompute_bytes_per_token=layer_bytes_per_token + backward_extra_bytes_per_token)
 
 
-def model_bytes_from_peaks(config, peaks, allocated_before, counts, itemsize):
+def model_bytes_from_peaks(config, peaks, allocated_before, parameters, itemsize):
     """ModelBytes from the probe forwards' peaks ({tokens: bytes above allocated_before}): the difference of the two
     peaks over the difference of their tokens is the per-token part alone, free of what the forward holds whatever
     the length (the fused linear cross-entropy's lm_head gradient and its chunk of logits), which is the rest of the
-    longer probe's peak. counts: param_counts of the model; itemsize: its weights' (and AdamW's moments')."""
+    longer probe's peak. parameters: the model's Parameters (parameters_of); itemsize: its activations' (the dtype the
+    model computes in)."""
     short, long = PROBE_TOKENS
     per_token = (peaks[long] - peaks[short]) / (long - short)
     fixed = max(0, int(peaks[long] - long * per_token))
     return probe_model_bytes(config, allocated_before + peaks[long], allocated_before, long, param_itemsize=itemsize,
-                             optimizer_state_itemsize=itemsize, loss_fixed_bytes=fixed, param_counts=counts)
+                             optimizer_state_itemsize=itemsize, loss_fixed_bytes=fixed, parameters=parameters)
 
 
 def measure_model_bytes(model, forward_loss, patch_model, on_gpu):
@@ -342,9 +416,8 @@ def measure_model_bytes(model, forward_loss, patch_model, on_gpu):
         peaks, before = probe_forward_peaks(functools.partial(forward_loss, model), model.config.vocab_size,
                                             weight.device)
     else:
-        (peaks, _, _), before = count_forward_peaks(model.config, weight.dtype, patch_model,
-                                                    forward_loss), 0
-    return model_bytes_from_peaks(model.config, peaks, before, param_counts(model), weight.element_size())
+        (peaks, _), before = count_forward_peaks(model.config, model.dtype, patch_model, forward_loss), 0
+    return model_bytes_from_peaks(model.config, peaks, before, parameters_of(model), model.dtype.itemsize)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -463,7 +536,7 @@ def estimate_peak_bytes(plan, model_bytes, batch, seq_len):
     # same at every moment.
     moments = [(largest_grad, kept_up_to(mb.n_layers - 1) * tokens, 0,
                 mb.loss_bytes_per_token * tokens + mb.loss_fixed_bytes)]
-    layer_grad = mb.grad_bytes_of(mb.layer_param_count)
+    layer_grad = mb.layer_grad_bytes
     for layer in layers:
         gradients = largest_grad + (0 if plan.optimizer_in_backward else (mb.n_layers - layer) * layer_grad)
         moments.append((gradients, kept_up_to(layer) * tokens, transient(layer) * tokens + tile_bytes, 0))
@@ -506,7 +579,8 @@ def plan_cost(plan, model_bytes, batch, seq_len):
 
     A step without levers: 3 forwards' worth of FLOPs (the backward is two), a forward being, per token, 2 FLOP per
     weight plus causal attention's 2 * 2 * (seq_len / 2) * hidden (QK^T and PV over half the keys on average), at
-    MATMUL_FLOPS_PER_S. Each lever adds:
+    MATMUL_FLOPS_PER_S; under LoRA the frozen weights' backward is one forward's (no weight gradient), so a step is
+    about 2 forwards' matmuls and each recompute weighs more. Each lever adds:
       - optimizer in the backward: OPTIMIZER_IN_BACKWARD_COST (~0);
       - selective checkpointing, per layer: the layer's forward without attention (its matmuls);
       - full checkpointing, per layer: the layer's whole forward (c_full > c_sel, by attention's share, which grows
@@ -523,7 +597,11 @@ def plan_cost(plan, model_bytes, batch, seq_len):
     matmul_forward_s = 2 * mb.layer_param_count * tokens / MATMUL_FLOPS_PER_S
     mlp_forward_s = 2 * 3 * mb.hidden_size * mb.intermediate_size * tokens / MATMUL_FLOPS_PER_S
     head_forward_s = 2 * mb.vocab_size * mb.hidden_size * tokens / MATMUL_FLOPS_PER_S
-    step_s = 3 * (mb.n_layers * layer_forward_s + head_forward_s)
+    # The backward: attention's twice its forward; a matmul's once for its input's gradient, and once more for its
+    # weight's where the weight trains (LoRA's frozen base has no weight-gradient matmul).
+    weight_gradient_share = mb.trainable_param_count / mb.param_count
+    matmul_step_s = (2 + weight_gradient_share) * (mb.n_layers * matmul_forward_s + head_forward_s)
+    step_s = matmul_step_s + 3 * mb.n_layers * (layer_forward_s - matmul_forward_s)
 
     extra_s = {"none": 0, "selective": matmul_forward_s, "full": layer_forward_s}[plan.activation_checkpointing] \
         * plan.checkpoint_layers
@@ -926,6 +1004,9 @@ def build_parser():
         help="the card's memory as sold (80 for an H100 80GB, 141 for an H200); several give one row each")
     add("--host-gib", type=float, default=None, help="the host's memory; None: this machine's")
     add("--dtype", choices=list(DTYPES), default="bf16", help="the weights' and AdamW moments' dtype")
+    add("--lora", type=int, default=None, metavar="R", help="plan a LoRA fine-tune: adapters of rank R on every "
+        "Linear of the decoder layers, the base frozen (no gradients, no AdamW moments)")
+    add("--qlora", action="store_true", help="with --lora: the base's decoder Linears in 4-bit NF4")
     add("--longest", action="store_true", help="instead of --seq-len: the longest sequence each card trains (batch "
         "--batch-size), with its plan")
     add("--candidates", type=int, default=8, help="rows of the table of the candidates weighed (one card, one length)")
@@ -941,8 +1022,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.plot and not (args.out or "").endswith(".png"):
         parser.error("--plot writes a PNG: give its path with --out FILE.png")
-    for name in ("seq_len", "batch_size", "candidates"):
-        if getattr(args, name) <= 0:
+    if args.qlora and args.lora is None:
+        parser.error("--qlora goes with --lora R (the rank of the adapters)")
+    for name in ("seq_len", "batch_size", "candidates", "lora"):
+        if (getattr(args, name) or 1) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if min(args.gpu_gib) <= CUDA_CONTEXT_GIB or (args.host_gib is not None and args.host_gib < 0):
         parser.error(f"--gpu-gib must exceed the CUDA context ({CUDA_CONTEXT_GIB} GiB) and --host-gib be >= 0")
@@ -984,15 +1067,18 @@ def main(argv=None):
         return plot_memory(args.plot, args.out)
     config, source = load_config(args.model)
     t0 = time.perf_counter()
-    peaks, counts, itemsize = count_forward_peaks(config, DTYPES[args.dtype])
-    model_bytes = model_bytes_from_peaks(config, peaks, 0, counts, itemsize)
+    patch = our_kernels if args.lora is None else lora_and_our_kernels(args.lora, args.qlora)
+    peaks, parameters = count_forward_peaks(config, DTYPES[args.dtype], patch)
+    model_bytes = model_bytes_from_peaks(config, peaks, 0, parameters, DTYPES[args.dtype].itemsize)
     count_s = time.perf_counter() - t0
     host_gib = args.host_gib if args.host_gib is not None else \
         os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GiB
     host_budget = host_budget_bytes(host_gib)
-    print(f"model: {args.model} (config from {source}): {config.model_type}, {counts[0] / 1e9:.2f} B parameters, "
-          f"{config.num_hidden_layers} layers, {args.dtype}; full fine-tune with AdamW, ours (fused RMSNorm, SwiGLU, "
-          f"RoPE, linear cross-entropy)")
+    print(f"model: {args.model} (config from {source}): {config.model_type}, {parameters.count / 1e9:.2f} B parameters, "
+          f"{config.num_hidden_layers} layers, {args.dtype}; "
+          + ("full fine-tune" if args.lora is None else f"LoRA rank {args.lora}" + ", NF4 base" * args.qlora
+             + f" ({parameters.trainable_count / 1e6:.1f} M parameters train)")
+          + " with AdamW, ours (fused RMSNorm, SwiGLU, RoPE, linear cross-entropy)")
     print(f"a decoder layer keeps {model_bytes.layer_bytes_per_token / 1024:.1f} KiB per token without checkpointing "
           f"(counted on fake tensors in {count_s:.1f} s: no GPU, no weights); weights {gib(model_bytes.param_bytes)}, "
           f"gradients {gib(model_bytes.grad_bytes)}, AdamW moments {gib(model_bytes.optimizer_state_bytes)} GiB")
@@ -1031,6 +1117,7 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps({
             "script": Path(__file__).name, "command": [sys.executable, *sys.argv], "model": args.model,
             "config_source": source, "dtype": args.dtype, "batch_size": args.batch_size, "host_gib": host_gib,
+            "lora": args.lora, "qlora": args.qlora,
             "layer_bytes_per_token": model_bytes.layer_bytes_per_token, "counted_in_s": count_s,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "rows": rows}, indent=2) + "\n")

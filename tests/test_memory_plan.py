@@ -17,6 +17,7 @@ and the allocator's fragmentation (3 GiB). A 141 GB H200: 139.8 GiB, so 136.8. H
 With CUDA: the fake-tensor count and the real probe forwards agree within 3 % for Llama-3.1-8B and Qwen3-8B, and the
 plans they give at 8192 and 65536 tokens on an 80 GB card are the same.
 """
+import dataclasses
 import json
 import math
 import subprocess
@@ -166,8 +167,8 @@ def test_storage_bytes_counts_what_an_allocator_would():
 def counted_llama8b():
     """Llama-3.1-8B's ModelBytes as the command counts them: bf16, our kernels and loss, on fake tensors."""
     config = AutoConfig.from_pretrained(ROOT / "configs" / "llama-3.1-8b")
-    peaks, counts, itemsize = plan_module.count_forward_peaks(config, torch.bfloat16)
-    return plan_module.model_bytes_from_peaks(config, peaks, 0, counts, itemsize)
+    peaks, parameters = plan_module.count_forward_peaks(config, torch.bfloat16)
+    return plan_module.model_bytes_from_peaks(config, peaks, 0, parameters, 2)
 
 
 def test_the_count_agrees_with_the_h100_calibration(counted_llama8b, llama8b):
@@ -186,11 +187,12 @@ def test_the_count_reads_each_family_from_its_model(name):
     """Parameter counts come from the model the config builds (Phi-3's fused projections, Gemma 3's q/k norms and
     tied embedding included), and every layer keeps more than its input per token."""
     config = AutoConfig.from_pretrained(ROOT / "configs" / name)
-    peaks, counts, itemsize = plan_module.count_forward_peaks(config, torch.float32)
+    peaks, parameters = plan_module.count_forward_peaks(config, torch.float32)
     model = finetune_optimized.AutoModelForCausalLM.from_config(config)
-    assert counts == plan_module.param_counts(model) and itemsize == 4
-    assert counts[0] == sum(p.numel() for p in model.parameters())
-    model_bytes = plan_module.model_bytes_from_peaks(config, peaks, 0, counts, itemsize)
+    assert parameters == plan_module.parameters_of(model)
+    assert parameters.count == parameters.trainable_count == sum(p.numel() for p in model.parameters())
+    assert parameters.stored_bytes == parameters.trainable_bytes == 4 * parameters.count
+    model_bytes = plan_module.model_bytes_from_peaks(config, peaks, 0, parameters, 4)
     assert model_bytes.layer_bytes_per_token > model_bytes.input_bytes_per_token
 
 
@@ -249,8 +251,8 @@ def test_cuda_count_and_probe_agree_and_plan_alike(name):
     """The fake-tensor count and the real probe forwards of the same model (random weights, bf16, our kernels and
     loss, as finetune_optimized.py runs it) within 3 % per token, and the same plan at 8192 and 65536 on 80 GB."""
     config = AutoConfig.from_pretrained(ROOT / "configs" / name)
-    peaks, counts, itemsize = plan_module.count_forward_peaks(config, torch.bfloat16)
-    counted = plan_module.model_bytes_from_peaks(config, peaks, 0, counts, itemsize)
+    peaks, parameters = plan_module.count_forward_peaks(config, torch.bfloat16)
+    counted = plan_module.model_bytes_from_peaks(config, peaks, 0, parameters, 2)
     with torch.device("cuda"):
         model = finetune_optimized.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                                     attn_implementation="sdpa")
@@ -512,3 +514,36 @@ def test_plot_leaves_out_runs_without_a_gpu_and_refuses_other_files(tmp_path, ca
     with pytest.raises(SystemExit, match="older.json: not a fine-tune results file this version reads "
                                          r"\(KeyError: 'status'\)$"):
         plan_module.main(["--plot", str(tmp_path / "older.json"), "--out", str(png)])
+
+
+@pytest.mark.parametrize("nf4_base", [False, True], ids=["lora", "qlora"])
+def test_the_count_knows_adapters(nf4_base):
+    """Under LoRA only the adapters carry gradients and AdamW moments (peft keeps them in fp32), the frozen base is
+    counted as stored (NF4: about half a byte a weight), and the same model built for real has the same Parameters."""
+    config = AutoConfig.from_pretrained(ROOT / "configs" / "tiny")
+    patch = plan_module.lora_and_our_kernels(4, nf4_base)
+    peaks, parameters = plan_module.count_forward_peaks(config, torch.bfloat16, patch)
+    torch.manual_seed(0)
+    real = finetune_optimized.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    patch(real)
+    assert parameters == plan_module.parameters_of(real)
+    adapters = [p for name, p in real.named_parameters() if "lora_" in name]
+    assert parameters.trainable_count == sum(p.numel() for p in adapters) > 0
+    assert parameters.trainable_bytes == 4 * parameters.trainable_count
+    model_bytes = plan_module.model_bytes_from_peaks(config, peaks, 0, parameters, 2)
+    assert model_bytes.grad_bytes == parameters.trainable_bytes
+    assert model_bytes.optimizer_state_bytes == 2 * parameters.trainable_bytes
+    base = finetune_optimized.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    linear_weights = sum(m.weight.numel() for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    dense_bytes = plan_module.parameters_of(base).stored_bytes + parameters.trainable_bytes
+    # NF4: a 4-bit code a weight, an 8-bit scale per block of 64, a factor per group of 256 scales: under 0.6 bytes
+    saved = 2 * linear_weights - 0.6 * linear_weights if nf4_base else 0
+    assert parameters.stored_bytes <= dense_bytes - saved and parameters.stored_bytes >= dense_bytes - 2 * saved
+
+
+def test_lora_steps_cost_less_so_each_recompute_weighs_more(llama8b):
+    """Without weight gradients a step is about two forwards' matmuls instead of three: the same lever is a larger
+    share of a LoRA step."""
+    lora = dataclasses.replace(llama8b, trainable_param_count=llama8b.param_count // 200)
+    plan = MemoryPlan("full", 32)
+    assert plan_module.plan_cost(plan, lora, 1, 8192) > 1.3 * plan_module.plan_cost(plan, llama8b, 1, 8192)
