@@ -59,6 +59,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import time
 import unittest.mock
@@ -1074,8 +1075,8 @@ def main(argv=None):
     host_gib = args.host_gib if args.host_gib is not None else \
         os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GiB
     host_budget = host_budget_bytes(host_gib)
-    print(f"model: {args.model} (config from {source}): {config.model_type}, {parameters.count / 1e9:.2f} B parameters, "
-          f"{config.num_hidden_layers} layers, {args.dtype}; "
+    print(f"model: {args.model} (config from {source}): {config.model_type}, {parameters.count / 1e9:.2f} B "
+          f"parameters, {config.num_hidden_layers} layers, {args.dtype}; "
           + ("full fine-tune" if args.lora is None else f"LoRA rank {args.lora}" + ", NF4 base" * args.qlora
              + f" ({parameters.trainable_count / 1e6:.1f} M parameters train)")
           + " with AdamW, ours (fused RMSNorm, SwiGLU, RoPE, linear cross-entropy)")
@@ -1119,7 +1120,8 @@ def main(argv=None):
             "config_source": source, "dtype": args.dtype, "batch_size": args.batch_size, "host_gib": host_gib,
             "lora": args.lora, "qlora": args.qlora,
             "layer_bytes_per_token": model_bytes.layer_bytes_per_token, "counted_in_s": count_s,
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "transformers": transformers.__version__, "git_commit": subprocess.run(
+                ["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True).stdout.strip(),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "rows": rows}, indent=2) + "\n")
         print(f"results: {args.out}")
 
