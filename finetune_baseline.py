@@ -7,6 +7,7 @@ summary plus a JSON file. finetune_optimized.py is this script plus what is ours
     python finetune_baseline.py                                 # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full   # the peer: Liger-Kernel
     python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
+    python finetune_baseline.py --data chat.jsonl --seq-len 8192   # conversations: the answers the targets, packed
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
     torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp  # or accelerate launch --multi_gpu ...
 """

@@ -26,6 +26,7 @@ which models and data it takes (without cached weights: the same architecture wi
     python finetune_optimized.py                                # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_optimized.py --seq-len 8192                 # the plan picks what fits the GPU
     python finetune_optimized.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
+    python finetune_optimized.py --data chat.jsonl --seq-len 8192   # conversations: the answers the targets, packed
     python finetune_optimized.py --seq-len-search 65536,131072,262144   # longest batch-1 sequence, a plan per length
     torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp  # or accelerate launch --multi_gpu ...
 """

@@ -1,7 +1,7 @@
 """Fine-tuning on conversations: chat and prompt/completion rows, the answers the only targets, packed rows.
 
 - Targets: with the built-in byte-level template the target bytes of a chat row are exactly each assistant turn's
-  content and its "<|end|>" line; of a prompt/completion row the completion and EOS; --train-on-prompt makes every
+  content and its "<|end|>" line, and through a (locally trained) tokenizer's offsets its tokens; of a prompt/completion row the completion and EOS; --train-on-prompt makes every
   token a target; a conversation without an answer is skipped.
 - Packing: first fit keeps every conversation whole and in one row; positions restart at each conversation.
 - Packed = one at a time: for each family's tiny config (configs/tiny*), the loss and every parameter's gradient of
@@ -86,6 +86,34 @@ def test_chat_targets_are_the_assistant_turns(module):
     ids, flags = module.conversation_tokens(options(data_format="chat", train_on_prompt=True), "chat.jsonl", 0,
                                             CHAT[0], module.BYTE_CHAT_TEMPLATE, None, 2)
     assert all(flags) and len(ids) == len(flags)
+
+
+def trained_tokenizer():
+    """A small byte-level BPE tokenizer (the tokenizers package, trained here: nothing downloaded) with special tokens
+    and a chat template, as a Hub model's tokenizer has them: the path through the tokenizer's offsets."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["What is 2+2? 4. A colour? Blue. Another? Red. Be brief."] * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+                          "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return fast
+
+
+@pytest.mark.parametrize("module", SCRIPTS.values(), ids=SCRIPTS)
+def test_chat_targets_through_a_tokenizer(module):
+    tokenizer = trained_tokenizer()
+    args = options(data_format="chat")
+    template = module.chat_template_of(args, tokenizer)
+    ids, flags = module.conversation_tokens(args, "chat.jsonl", 1, CHAT[1], template, tokenizer, 1)
+    assert ids[0] == tokenizer.bos_token_id  # the template writes BOS; the tokenizer adds no second one
+    answers = tokenizer.decode([token for token, flag in zip(ids, flags) if flag])
+    assert answers == "Blue.<|end|>Red.<|end|>"
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHAT[1]["messages"], tokenize=False)
 
 
 @pytest.mark.parametrize("module", SCRIPTS.values(), ids=SCRIPTS)
