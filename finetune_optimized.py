@@ -589,19 +589,18 @@ def load_conversations(args, source, eos_id, tokenizer, rows_needed):
     for index, row in enumerate(read_rows(args, source)):
         if row_format(row, args.text_field) != args.data_format:
             raise missing_fields(source, index, row, args)
-        encoded = conversation_tokens(args, source, index, row, template, tokenizer, eos_id)
-        if encoded is None or not any(encoded[1][1:]):  # the first token is never predicted
-            skipped += 1
-            continue
-        ids, targets = encoded
+        ids, targets = conversation_tokens(args, source, index, row, template, tokenizer, eos_id) or ([], [])
         truncated += len(ids) > args.seq_len
         ids, targets = ids[:args.seq_len], targets[:args.seq_len]
+        if not any(targets[1:]):  # no answer (within --seq-len); the first token is never predicted
+            skipped += 1
+            continue
         labels = [token if target else -100 for token, target in zip(ids[1:], targets[1:])] + [-100]
         conversations.append((ids, labels))
         tokens += len(ids)
         if len(conversations) >= rows_needed and (args.packing == "off" or tokens >= rows_needed * args.seq_len):
             break
-    what = "an assistant turn" if args.data_format == "chat" else "a completion"
+    what = ("an assistant turn" if args.data_format == "chat" else "a completion") + f" within {args.seq_len} tokens"
     if not conversations:
         raise SystemExit(f"error: data {source}: no row has {what} to train on ({skipped} read)")
     print(f"data {source}: {len(conversations)} conversations" + (f", {skipped} without {what} skipped" * bool(skipped))
