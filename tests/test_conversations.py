@@ -8,7 +8,8 @@
   three conversations packed into one row equal those of the three run one at a time, unpadded, with the same
   token-weighted normalisation (fp32, sdpa with transformers' document mask; eager for Gemma 2, whose softcap sdpa
   cannot apply). The stock model and loss (both scripts' shared code, the baseline's loss) and ours (the kernels
-  patched in, the fused linear cross-entropy, so our RoPE gets each token's packed position). Why the tolerance: both
+  patched in, the fused linear cross-entropy, so our RoPE gets each token's packed position). One at a time = each
+  in a row of its own, right-padded, positions 0..n-1. Why the tolerance: both
   sides compute the same fp32 function and differ in summation order only (~1e-7 relative, measured); 2e-5 of each
   tensor's scale leaves a 100x margin. The check can fail: the same row with positions 0..T-1 (attention and
   positions crossing the conversations) is checked to differ by far more than the tolerance.
@@ -208,9 +209,9 @@ def test_packed_row_equals_each_conversation_alone(family, script, restore_rope)
     # 20 > the tiny Gemma/Phi-3 sliding windows (16): the windowed layers really mask within a conversation too
     conversations = random_conversations(model.config.vocab_size, (20, 7, 9))
     packed = module.conversation_rows(conversations, [[0, 1, 2]], 40, pad_id=0)
-    alone = [module.conversation_rows(conversations, [[index]], len(ids), pad_id=0)
-             for index, (ids, _) in enumerate(conversations)]
-    reference = loss_and_gradients(model_with_loss, alone, documents=False)
+    # each conversation in a row of its own, right-padded (causal attention never reaches the padding after it)
+    alone = module.conversation_rows(conversations, [[0], [1], [2]], 20, pad_id=0)
+    reference = loss_and_gradients(model_with_loss, [alone], documents=False)
     assert differs(loss_and_gradients(model_with_loss, [packed], documents=True), reference) < RTOL
     if script == "optimized":  # the check of the check below needs no kernels (and costs interpreter time)
         return
