@@ -86,12 +86,15 @@ for noisy_logger in ("torchao", "torch.utils._pytree"):
 import transformers
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # The attention implementations transformers trains LLaMA with (its "paged|..." variants serve generation).
-ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
+# torch_varlen: torch's own variable-length attention (registered below).
+ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "torch_varlen"]
 # Without a GPU, --compile uses aot_eager: it traces the step as inductor would but generates no code (inductor's C++
 # for the CPU takes ~30 s to compile even the tiny model on 2 cores and would speed up nothing that matters).
 COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager"
@@ -138,7 +141,8 @@ def build_parser():
     add("--data-format", choices=DATA_FORMATS, default="auto",
         help="text: the --text-field of each row, one token stream in --seq-len windows, every token a target; chat: "
              "'messages' rows (role/content turns) through the chat template, the assistant turns the targets; "
-             "prompt-completion: 'prompt' and 'completion' rows, the completion the target; auto: the first row's fields")
+             "prompt-completion: 'prompt' and 'completion' rows, the completion the target; auto: the first "
+             "row's fields")
     add("--chat-template", default=None, metavar="FILE", help="a Jinja chat template for chat rows (default: the "
         "tokenizer's; without a tokenizer a built-in one over UTF-8 bytes)")
     add("--train-on-prompt", action="store_true", help="chat and prompt/completion data: every token a target, not "
@@ -230,6 +234,8 @@ def parse_args(argv=None):
         parser.error(f"--resume: no complete checkpoint in {args.output_dir} (drop --resume to start a new run there)")
     if args.attn_implementation == "flex_attention" and not HAS_CUDA:
         parser.error("--attn-implementation flex_attention needs a GPU: FlexAttention has no backward on the CPU")
+    if args.attn_implementation == "torch_varlen" and not HAS_CUDA:
+        parser.error("--attn-implementation torch_varlen needs a GPU: torch's variable-length attention is CUDA only")
     if args.out and Path(args.out).is_dir():  # checked now: the results are written only at the end of the run
         parser.error(f"--out {args.out} is a directory: give the path of the file to write")
     if args.compile_mode != "default" and not (args.compile and COMPILE_BACKEND == "inductor"):
@@ -421,8 +427,8 @@ def missing_fields(source, index, row, args):
     wanted = {"text": repr(args.text_field), "chat": "'messages'", "prompt-completion": "'prompt' and 'completion'",
               "auto": f"{args.text_field!r}"}[args.data_format]
     return SystemExit(f"error: data {source}: no field {wanted} (its fields: {', '.join(map(str, row))}) in row "
-                      f"{index}; name the text column with --text-field, or give chat rows ('messages') or prompt/completion "
-                      f"rows ('prompt', 'completion')")
+                      f"{index}; name the text column with --text-field, or give chat rows ('messages') or "
+                      f"prompt/completion rows ('prompt', 'completion')")
 
 
 def resolve_data_format(args):
@@ -459,6 +465,50 @@ def choose_attention(args):
     args.attn_implementation = "flash_attention_2" if has_flash else "flex_attention"
     return ("packed conversations: flash-attn's variable-length kernel" if has_flash else
             "packed conversations: FlexAttention with a document BlockMask (flash-attn is not installed)")
+
+def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None,
+                           max_length_q=None, **kwargs):
+    """transformers' attention interface over torch's own variable-length attention (torch.nn.attention.varlen:
+    FlashAttention inside torch, CUDA only): the rows' tokens become one ragged batch whose sequences start at
+    cu_seq_lens_q (the packed conversations, from attention_inputs; without them each row is one sequence), each
+    causal within itself, so nothing is computed across conversations. query [B, Hq, T, D], key and value
+    [B, Hkv, T, D]; returns [B, T, Hq, D] and no weights, as transformers' attention functions do."""
+    from torch.nn.attention.varlen import varlen_attn
+    batch, heads, length, head_dim = query.shape
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=query.device)
+        max_length_q = length
+    window = getattr(module, "sliding_window", None)  # a sliding-window layer sees its last `window` tokens
+
+    def ragged(x):  # [B, H, T, D] -> [B*T, H, D]
+        return x.transpose(1, 2).reshape(batch * length, x.shape[1], head_dim)
+    out = varlen_attn(ragged(query), ragged(key), ragged(value), cu_seq_lens_q, cu_seq_lens_q, max_length_q,
+                      max_length_q, scale=scaling, window_size=(-1 if window is None else window - 1, 0),
+                      enable_gqa=key.shape[1] != heads)
+    return out.view(batch, length, heads, head_dim), None
+
+
+# Registered under its name with the mask function of transformers' FlashAttention (no mask tensor: the conversations'
+# boundaries travel as cu_seq_lens), so --attn-implementation torch_varlen works like transformers' own names.
+AttentionInterface.register("torch_varlen", torch_varlen_attention)
+AttentionMaskInterface.register("torch_varlen", flash_attention_mask)
+# The implementations that take packed rows as cu_seq_lens (transformers derives them from position ids in every layer
+# unless they are given).
+VARLEN_ATTENTION = ["flash_attention_2", "flash_attention_3", "torch_varlen"]
+
+
+def attention_inputs(model, position_ids):
+    """The model's keyword arguments for a micro-batch's packed rows (position_ids None: plain rows, nothing to add):
+    the position ids, and for the variable-length kernels the conversations' boundaries (cu_seq_lens, the longest
+    length), found once per micro-batch with transformers' own helper instead of once per layer. The longest length
+    is a number on the host: one sync per micro-batch, which these kernels need to size their launch."""
+    if position_ids is None:
+        return {}
+    if model.config._attn_implementation not in VARLEN_ATTENTION:
+        return {"position_ids": position_ids}
+    (cu_seq_lens_q, cu_seq_lens_k), (max_length_q, max_length_k) = prepare_fa_kwargs_from_position_ids(position_ids)
+    return {"position_ids": position_ids, "cu_seq_lens_q": cu_seq_lens_q, "cu_seq_lens_k": cu_seq_lens_k,
+            "max_length_q": int(max_length_q), "max_length_k": int(max_length_k)}
 
 
 def load_tokenizer(args):
@@ -749,7 +799,7 @@ def compute_loss(model, input_ids, shift_labels, loss_impl, position_ids=None, n
     fused losses find the hits in the same pass over the logits (return_token_accuracy)."""
     if loss_impl == "linear_ce":
         # Run the decoder body only and let the loss multiply by lm_head's weight chunk by chunk: no [B*T, V] logits.
-        hidden = model.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state  # [B, T, H]
+        hidden = model.model(input_ids=input_ids, **attention_inputs(model, position_ids)).last_hidden_state
         # Gemma 2 caps its logits at final_logit_softcapping (cap * tanh(logits / cap)): the kernel applies it to each
         # chunk of logits, as the model's own forward does to all of them.
         out = linear_cross_entropy(hidden, model.lm_head.weight, shift_labels, chunk_size=lce_chunk_size,
@@ -757,7 +807,7 @@ def compute_loss(model, input_ids, shift_labels, loss_impl, position_ids=None, n
                                    reduction="mean" if num_targets is None else "sum", return_token_accuracy=True)
         return (out.loss if num_targets is None else out.loss / num_targets), token_share(out.token_accuracy,
                                                                                          shift_labels, num_targets)
-    logits = model(input_ids=input_ids, position_ids=position_ids).logits  # [B, T, V] in the model's dtype
+    logits = model(input_ids=input_ids, **attention_inputs(model, position_ids)).logits  # [B, T, V], model's dtype
     if loss_impl == "ce":
         # The same math as below without an fp32 copy of the logits. inplace_backward: the gradient overwrites the
         # logits, safe because lm_head's backward needs its input, not its output; not under torch.compile, where the

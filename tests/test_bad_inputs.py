@@ -32,7 +32,8 @@ def write_bad_data(folder):
              "notes.xyz": b"some text",
              "chat-not-turns.jsonl": b'{"messages": "hello"}\n',
              "chat-no-answer.jsonl": b'{"messages": [{"role": "user", "content": "hi"}]}\n',
-             "chat.jsonl": b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n',
+             "chat.jsonl": b'{"messages": [{"role": "user", "content": "hi"}, '
+                           b'{"role": "assistant", "content": "yo"}]}\n',
              "broken-template.jinja": b"{% for message in messages %}{{ message['content'] }}",
              "prompt-mixed.jsonl": b'{"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]}\n'}
     for name, content in files.items():
@@ -86,7 +87,8 @@ BASELINE_CASES = {
                               "--attn-implementation flex_attention needs a GPU"),
     # conversations: rows that are not turns, no answer anywhere, a template that does not render, the wrong format
     "chat-not-turns": (["--data", "{data}/chat-not-turns.jsonl"], "row 0: 'messages' must be a list of turns like"),
-    "chat-no-answer": (["--data", "{data}/chat-no-answer.jsonl"], "no row has an assistant turn within 32 tokens to train on (1 read)"),
+    "chat-no-answer": (["--data", "{data}/chat-no-answer.jsonl"],
+                       "no row has an assistant turn within 32 tokens to train on (1 read)"),
     "chat-template-broken": (["--data", "{data}/chat.jsonl", "--chat-template", "{data}/broken-template.jinja"],
                              "row 0: the chat template does not render it: "),
     "chat-template-missing": (["--data", "{data}/chat.jsonl", "--chat-template", "{data}/missing.jinja"],

@@ -1,8 +1,9 @@
 """Fine-tuning on conversations: chat and prompt/completion rows, the answers the only targets, packed rows.
 
 - Targets: with the built-in byte-level template the target bytes of a chat row are exactly each assistant turn's
-  content and its "<|end|>" line, and through a (locally trained) tokenizer's offsets its tokens; of a prompt/completion row the completion and EOS; --train-on-prompt makes every
-  token a target; a conversation without an answer is skipped.
+  content and its "<|end|>" line, and through a (locally trained) tokenizer's offsets its tokens; of a
+  prompt/completion row the completion and EOS; --train-on-prompt makes every token a target; a conversation
+  without an answer is skipped.
 - Packing: first fit keeps every conversation whole and in one row; positions restart at each conversation.
 - Packed = one at a time: for each family's tiny config (configs/tiny*), the loss and every parameter's gradient of
   three conversations packed into one row equal those of the three run one at a time, unpadded, with the same
@@ -13,6 +14,9 @@
   sides compute the same fp32 function and differ in summation order only (~1e-7 relative, measured); 2e-5 of each
   tensor's scale leaves a 100x margin. The check can fail: the same row with positions 0..T-1 (attention and
   positions crossing the conversations) is checked to differ by far more than the tolerance.
+- torch_varlen (torch's variable-length attention, CUDA only): on the CPU a per-conversation SDPA stands in for the
+  kernel, so the test checks what the scripts add: the conversations' boundaries (cu_seq_lens from the positions),
+  the ragged layout, GQA and sliding windows; packed rows equal the stock sdpa model on each conversation alone.
 - Masked tokens get no gradient: the final hidden state of every position whose label is ignored (prompts, each
   conversation's last token, the row's padding) gets an exactly-zero gradient.
 - Accumulation: each script trains the same conversations packed (2 rows a step) and padded (4 a step), as one batch
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -96,7 +101,8 @@ def trained_tokenizer():
     from transformers import PreTrainedTokenizerFast
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"],
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(["What is 2+2? 4. A colour? Blue. Another? Red. Be brief."] * 10, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
@@ -282,3 +288,37 @@ def test_accumulation_equals_the_larger_batch_packed_and_padded(script, tmp_path
             assert result[key] == pytest.approx(first[key], rel=RTOL), (name, key)
     # the learning rate moves the loss: the second step's equality is a check of the first step's gradients
     assert abs(first["losses"][1] - first["losses"][0]) > 100 * RTOL * first["losses"][0]
+
+
+def varlen_on_the_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                      enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's contract ([tokens, heads, D], sequences from cu_seq_q, causal within
+    each, window_size (left, 0)) by SDPA on each sequence: the kernel itself needs CUDA."""
+    outputs = []
+    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        position = torch.arange(end - start)
+        allowed = position[None, :] <= position[:, None]
+        if window_size[0] >= 0:
+            allowed &= position[:, None] - position[None, :] <= window_size[0]
+        q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
+                       .transpose(0, 1))
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-gemma3"])  # Gemma 3: sliding windows of 16, GQA
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_torch_varlen_keeps_packed_conversations_apart(family, script, monkeypatch):
+    import torch.nn.attention.varlen
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_on_the_cpu)
+    module = SCRIPTS[script]
+    torch.manual_seed(2)
+    model = build(family)
+    model_with_loss = module.ModelWithLoss(model, "eager")
+    conversations = random_conversations(model.config.vocab_size, (20, 7, 9))
+    alone = module.conversation_rows(conversations, [[0], [1], [2]], 20, pad_id=0)
+    reference = loss_and_gradients(model_with_loss, [alone], documents=False)
+    model.set_attn_implementation("torch_varlen")
+    packed = module.conversation_rows(conversations, [[0, 1, 2]], 40, pad_id=0)
+    assert differs(loss_and_gradients(model_with_loss, [packed], documents=True), reference) < RTOL
+    assert module.attention_inputs(model, packed[2:3, 0])["cu_seq_lens_q"].tolist() == [0, 20, 27, 36, 40]
