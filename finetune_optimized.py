@@ -93,8 +93,7 @@ HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # The attention implementations transformers trains LLaMA with (its "paged|..." variants serve generation).
-# torch_varlen: torch's own variable-length attention (registered below).
-ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "torch_varlen"]
+ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 # Without a GPU, --compile uses aot_eager: it traces the step as inductor would but generates no code (inductor's C++
 # for the CPU takes ~30 s to compile even the tiny model on 2 cores and would speed up nothing that matters).
 COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager"
@@ -113,9 +112,10 @@ def build_parser():
     add("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
         help="Hub id or local folder; a name in configs/ (tiny, tiny-<family>, qwen3-8b, ...): random weights")
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    add("--attn-implementation", choices=["auto", *ATTN_IMPLEMENTATIONS], default="auto",
+    add("--attn-implementation", choices=["auto", *ATTN_IMPLEMENTATIONS, "torch_varlen"], default="auto",
         help="transformers' attention; auto: sdpa, or for packed conversations on a GPU flash_attention_2 (where "
-             "flash-attn is installed) or flex_attention, which skip the work across conversations")
+             "flash-attn is installed) or flex_attention, which skip the work across conversations; torch_varlen: "
+             "torch's own variable-length attention (CUDA)")
     add("--allow-download", action="store_true", help="let from_pretrained and load_dataset reach the Hub (default: "
         "the local cache only)")
     # -- training --------------------------------------------------------------------------------------------------

@@ -263,6 +263,9 @@ def test_local_model_loads_real_weights_with_device_map(saved_model, module, mon
 
     monkeypatch.setattr(module.AutoModelForCausalLM, "from_pretrained", spy)
     args = module.parse_args(["--model", str(folder)])
+    if module is finetune_baseline:  # the fine-tune scripts pick the attention once they know the data's format
+        module.resolve_data_format(args)
+        module.choose_attention(args)
     model, weights = module.load_model(args, DEVICE, torch.float32)
     assert weights == "real" and calls[0]["device_map"] == DEVICE
     loaded = model.state_dict()
