@@ -85,6 +85,8 @@ BASELINE_CASES = {
                              "error: --attn-implementation flash_attention_2: FlashAttention2 has been toggled on"),
     "flex-attention-on-cpu": (["--attn-implementation", "flex_attention"],
                               "--attn-implementation flex_attention needs a GPU"),
+    "torch-varlen-on-cpu": (["--attn-implementation", "torch_varlen"],
+                            "--attn-implementation torch_varlen needs a GPU"),
     # conversations: rows that are not turns, no answer anywhere, a template that does not render, the wrong format
     "chat-not-turns": (["--data", "{data}/chat-not-turns.jsonl"], "row 0: 'messages' must be a list of turns like"),
     "chat-no-answer": (["--data", "{data}/chat-no-answer.jsonl"],
@@ -122,7 +124,7 @@ def test_finetune_bad_input(script, case, tmp_path):
         pytest.importorskip("datasets")
     if case == "attn-package-missing" and importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed")
-    if case == "flex-attention-on-cpu" and torch.cuda.is_available():
+    if case in ("flex-attention-on-cpu", "torch-varlen-on-cpu") and torch.cuda.is_available():
         pytest.skip("a GPU is present")
     flags, expected = {**FINETUNE_CASES, **BASELINE_CASES, **OPTIMIZED_CASES}[case]
     data = write_bad_data(tmp_path / "data")
