@@ -631,7 +631,8 @@ def conversation_tokens(args, source, index, row, template, tokenizer, eos_id):
 
 def load_conversations(args, source, eos_id, tokenizer, rows_needed):
     """[(token ids, shifted labels)] of the chat or prompt/completion rows of `source`, read until they fill
-    rows_needed rows of --seq-len (packed) or give rows_needed conversations (padded). Each conversation's labels are
+    rows_needed rows of --seq-len (packed: a quarter more tokens than the rows hold, as first fit leaves some room in
+    each row) or give rows_needed conversations (padded). Each conversation's labels are
     shifted within it: its last position predicts nothing, so no position learns the next conversation's first token.
     A conversation longer than --seq-len is cut to it; one without an answer is skipped; both are counted."""
     template = chat_template_of(args, tokenizer)
@@ -648,7 +649,7 @@ def load_conversations(args, source, eos_id, tokenizer, rows_needed):
         labels = [token if target else -100 for token, target in zip(ids[1:], targets[1:])] + [-100]
         conversations.append((ids, labels))
         tokens += len(ids)
-        if len(conversations) >= rows_needed and (args.packing == "off" or tokens >= rows_needed * args.seq_len):
+        if len(conversations) >= rows_needed and (args.packing == "off" or tokens >= 1.25 * rows_needed * args.seq_len):
             break
     what = ("an assistant turn" if args.data_format == "chat" else "a completion") + f" within {args.seq_len} tokens"
     if not conversations:
@@ -729,7 +730,8 @@ def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, wor
                            for index in group) for first in range(0, len(groups), per_step * rows)]
         fill = sum(real_tokens) / sum(step.shape[0] * rows * step.shape[-1] for step in steps)
         return {"steps": steps if split == "train" else [step[0] for step in steps], "real_tokens": real_tokens,
-                "fill": fill, "conversations": len(conversations)}
+                "fill": fill, "conversations": len(conversations),
+                "tokenized_by": "the built-in chat template over UTF-8 bytes" if tokenizer is None else "the tokenizer"}
     if source == "synthetic":  # what the playbook trains on: uniform random tokens (loss stays near ln V)
         generator = torch.Generator().manual_seed(args.seed + (split == "eval"))  # held-out tokens are others
         stream = torch.randint(0, vocab_size, (tokens_needed,), generator=generator)
@@ -752,7 +754,9 @@ def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, wor
     input_ids = stream[:tokens_needed].view(n_batches, rows, args.seq_len)[:, rank::world_size]
     batches = text_batch(input_ids).view(n_batches // per_step, per_step, 3, *input_ids.shape[1:]).to(device)
     return {"steps": batches if split == "train" else batches[:, 0], "real_tokens": [per_step * rows * args.seq_len]
-            * (n_batches // per_step), "fill": 1.0, "conversations": None}
+            * (n_batches // per_step), "fill": 1.0, "conversations": None,
+            "tokenized_by": "random ids" if source == "synthetic" else "UTF-8 bytes" if tokenizer is None
+            else "the tokenizer"}
 
 
 def text_batch(input_ids):
@@ -1209,7 +1213,8 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
               f"(step {checkpoint['step']}, {len(saved)} written)")
     return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": sum(tokens_per_step) / args.steps,
             "real_tokens_per_step": tokens_per_step, "row_fill": batches["train"]["fill"],
-            "conversations": batches["train"]["conversations"], "steps": args.steps,
+            "conversations": batches["train"]["conversations"], "tokenized_by": batches["train"]["tokenized_by"],
+            "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
             "avg_step_ms": avg_step_ms, "peak_memory_gib": peak_gib[0], "peak_memory_gib_per_rank": peak_gib,
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,

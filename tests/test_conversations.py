@@ -282,6 +282,7 @@ def test_accumulation_equals_the_larger_batch_packed_and_padded(script, tmp_path
         results[name] = json.loads(out.read_text())
     first = results["packed 2 rows"]
     assert "tokenized as UTF-8 bytes with the built-in chat template" in capsys.readouterr().out
+    assert first["tokenized_by"] == "the built-in chat template over UTF-8 bytes"
     assert first["row_fill"] == pytest.approx(2 * 49 / 112)  # two conversations of 49 tokens a row
     for name, result in results.items():
         for key in ("losses", "grad_norms"):
