@@ -23,6 +23,7 @@
   and as micro-batches of 1 with --grad-accum-steps; every run's per-step losses and gradient norms equal the first's
   (the token-weighted mean of the same targets), to the same fp32 tolerance. A loss averaged per micro-batch would
   miss by several percent, as the conversations' target counts differ.
+- End to end, the optimized script with every kernel trains packed conversations as the baseline does.
 """
 import json
 import sys
@@ -323,3 +324,19 @@ def test_torch_varlen_keeps_packed_conversations_apart(family, script, monkeypat
     packed = module.conversation_rows(conversations, [[0, 1, 2]], 40, pad_id=0)
     assert differs(loss_and_gradients(model_with_loss, [packed], documents=True), reference) < RTOL
     assert module.attention_inputs(model, packed[2:3, 0])["cu_seq_lens_q"].tolist() == [0, 20, 27, 36, 40]
+
+
+def test_ours_trains_packed_conversations_like_the_baseline(tmp_path, restore_rope):
+    """End to end on packed chat rows: the optimized script with every kernel and the fused linear cross-entropy gives
+    the baseline's per-step losses and gradient norms (fp32, the same tolerance)."""
+    data = tmp_path / "chat.jsonl"
+    write_conversations(data)
+    flags = ["--model", "tiny", "--dtype", "fp32", "--data", str(data), "--seq-len", "112", "--steps", "2",
+             "--lr", "1e-3", "--batch-size", "2"]
+    results = {}
+    for name, module in SCRIPTS.items():
+        module.main([*flags, "--out", str(tmp_path / f"{name}.json")])
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert results["optimized"]["variant"] == "rmsnorm+linear_ce+swiglu+rope"
+    for key in ("losses", "grad_norms"):
+        assert results["optimized"][key] == pytest.approx(results["baseline"][key], rel=RTOL), key
