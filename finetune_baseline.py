@@ -197,7 +197,7 @@ def run_info():
 
 # Options the default JSON name leaves out: its fixed parts and the variant show them, or they change no measurement.
 UNNAMED_OPTIONS = {"model", "dtype", "batch_size", "seq_len", "fsdp", "compile", "liger", "loss", "rmsnorm", "swiglu",
-                   "rope", "fp8", "out", "tensorboard", "allow_download"}
+                   "rope", "fp8", "out", "tensorboard", "allow_download", "data_format"}  # the data says its format
 
 
 def default_out_path(args, weights, dtype, variant, world_size):
@@ -208,8 +208,11 @@ def default_out_path(args, weights, dtype, variant, world_size):
     defaults = vars(build_parser().parse_args([]))
     parts = [Path(__file__).stem, f"{Path(args.model).name}-{weights}", variant, dtype,
              f"{args.batch_size}x{args.seq_len}" + (f"_fsdp{world_size}" if args.fsdp else "")]
+    auto = argparse.Namespace(**{**vars(args), "attn_implementation": "auto"})
+    choose_attention(auto)  # what --attn-implementation auto picks for this data and device: no difference to name
     parts += [f"{name.replace('_', '-')}={Path(str(value)).name}" for name, value in vars(args).items()
-              if name not in UNNAMED_OPTIONS and value != defaults[name]]
+              if name not in UNNAMED_OPTIONS and value != defaults[name]
+              and not (name == "attn_implementation" and value == auto.attn_implementation)]
     return HERE / "runs" / ("_".join(re.sub(r"[^\w.+=-]+", "-", str(part)) for part in parts) + ".json")
 
 
