@@ -7,6 +7,7 @@ summary plus a JSON file. finetune_optimized.py is this script plus what is ours
     python finetune_baseline.py                                 # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full   # the peer: Liger-Kernel
     python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
+    python finetune_baseline.py --data chat.jsonl --seq-len 8192   # conversations: the answers the targets, packed
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
     torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp  # or accelerate launch --multi_gpu ...
 """
@@ -42,7 +43,9 @@ for noisy_logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(noisy_logger).setLevel(logging.ERROR)
 
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
 HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
@@ -67,7 +70,10 @@ def build_parser():
     add("--model", default="meta-llama/Llama-3.1-8B" if HAS_CUDA else "tiny", type=os.path.expanduser,
         help="Hub id or local folder; a name in configs/ (tiny, tiny-<family>, qwen3-8b, ...): random weights")
     add("--dtype", choices=["auto", *DTYPES], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    add("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="transformers' attention")
+    add("--attn-implementation", choices=["auto", *ATTN_IMPLEMENTATIONS, "torch_varlen"], default="auto",
+        help="transformers' attention; auto: sdpa, or for packed conversations on a GPU flash_attention_2 (where "
+             "flash-attn is installed) or flex_attention, which skip the work across conversations; torch_varlen: "
+             "torch's own variable-length attention (CUDA)")
     add("--allow-download", action="store_true", help="let from_pretrained and load_dataset reach the Hub (default: "
         "the local cache only)")
     # -- training --------------------------------------------------------------------------------------------------
@@ -88,6 +94,19 @@ def build_parser():
     add("--data", default="synthetic", help="synthetic (random tokens), a save_to_disk folder, a .txt, .json, "
         ".jsonl, .parquet or .csv file or a folder of them, or a Hub data set")
     add("--text-field", default="text", help="the column of the data that holds the text")
+    add("--data-format", choices=DATA_FORMATS, default="auto",
+        help="text: the --text-field of each row, one token stream in --seq-len windows, every token a target; chat: "
+             "'messages' rows (role/content turns) through the chat template, the assistant turns the targets; "
+             "prompt-completion: 'prompt' and 'completion' rows, the completion the target; auto: the first "
+             "row's fields")
+    add("--chat-template", default=None, metavar="FILE", help="a Jinja chat template for chat rows (default: the "
+        "tokenizer's; without a tokenizer a built-in one over UTF-8 bytes)")
+    add("--train-on-prompt", action="store_true", help="chat and prompt/completion data: every token a target, not "
+        "only the answers")
+    add("--packing", choices=["on", "off"], default="on",
+        help="chat and prompt/completion data: on = whole conversations packed into rows of --seq-len tokens, "
+             "positions and attention kept within each; off = one conversation per row, each step's batches padded "
+             "to its longest")
     add("--eval-data", default=None, help="held-out data, read like --data")
     add("--eval-split", type=float, default=None, help="instead of --eval-data: hold out this fraction of --data")
     add("--eval-steps", type=int, default=None, help="evaluate every N steps (and after the last)")
@@ -133,6 +152,8 @@ def parse_args(argv=None):
         parser.error(f"--resume: no complete checkpoint in {args.output_dir} (drop --resume to start a new run there)")
     if args.attn_implementation == "flex_attention" and not HAS_CUDA:
         parser.error("--attn-implementation flex_attention needs a GPU: FlexAttention has no backward on the CPU")
+    if args.attn_implementation == "torch_varlen" and not HAS_CUDA:
+        parser.error("--attn-implementation torch_varlen needs a GPU: torch's variable-length attention is CUDA only")
     if args.out and Path(args.out).is_dir():  # checked now: the results are written only at the end of the run
         parser.error(f"--out {args.out} is a directory: give the path of the file to write")
     if args.compile_mode != "default" and not (args.compile and COMPILE_BACKEND == "inductor"):
@@ -176,7 +197,7 @@ def run_info():
 
 # Options the default JSON name leaves out: its fixed parts and the variant show them, or they change no measurement.
 UNNAMED_OPTIONS = {"model", "dtype", "batch_size", "seq_len", "fsdp", "compile", "liger", "loss", "rmsnorm", "swiglu",
-                   "rope", "fp8", "out", "tensorboard", "allow_download"}
+                   "rope", "fp8", "out", "tensorboard", "allow_download", "data_format"}  # the data says its format
 
 
 def default_out_path(args, weights, dtype, variant, world_size):
@@ -187,8 +208,11 @@ def default_out_path(args, weights, dtype, variant, world_size):
     defaults = vars(build_parser().parse_args([]))
     parts = [Path(__file__).stem, f"{Path(args.model).name}-{weights}", variant, dtype,
              f"{args.batch_size}x{args.seq_len}" + (f"_fsdp{world_size}" if args.fsdp else "")]
+    auto = argparse.Namespace(**{**vars(args), "attn_implementation": "auto"})
+    choose_attention(auto)  # what --attn-implementation auto picks for this data and device: no difference to name
     parts += [f"{name.replace('_', '-')}={Path(str(value)).name}" for name, value in vars(args).items()
-              if name not in UNNAMED_OPTIONS and value != defaults[name]]
+              if name not in UNNAMED_OPTIONS and value != defaults[name]
+              and not (name == "attn_implementation" and value == auto.attn_implementation)]
     return HERE / "runs" / ("_".join(re.sub(r"[^\w.+=-]+", "-", str(part)) for part in parts) + ".json")
 
 
@@ -252,10 +276,19 @@ def load_model(args, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data: [n_batches, batch, seq_len] token ids. Labels are the inputs themselves (causal LM); the shift happens below.
+# Data: batches of [3, rows, T] = the token ids, the shifted labels (-100: not a target) and the position ids.
+#   text: one token stream cut into --seq-len windows; every token is a target (labels = the inputs, shifted).
+#   chat (`messages`) and prompt/completion rows: one tokenized conversation each, its answers the only targets;
+#   packed (whole conversations in rows of --seq-len tokens, positions restarting at each) or padded (one per row).
 
 # A local data file is read by the datasets builder of its format, as load_dataset(<builder>, data_files=...) does.
 DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+DATA_FORMATS = ["auto", "text", "chat", "prompt-completion"]
+# Without a tokenizer (a built-in architecture, or a model whose tokenizer is not here) conversations are rendered
+# with this template and their UTF-8 bytes are the token ids: each turn a "<|role|>" line closed by "<|end|>", which an
+# answer's targets include, so the model learns where an answer ends.
+BYTE_CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+                      "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def data_rows(source, offline):
@@ -282,6 +315,119 @@ def data_rows(source, offline):
     return datasets.load_dataset(builder, data_files=source, split="train", streaming=True, **options)
 
 
+def read_rows(args, source):
+    """The rows of `source` one at a time (data_rows); data that cannot be read ends the run with one error line."""
+    try:
+        yield from data_rows(source, offline=not args.allow_download)
+    except Exception as err:  # datasets raises many types for "not cached", "no network", "not JSON", ...
+        cause = err
+        while not isinstance(cause, UnicodeDecodeError) and (cause.__cause__ or cause.__context__):
+            cause = cause.__cause__ or cause.__context__  # a decoding error arrives wrapped in datasets' own
+        what = (f"not UTF-8 text (byte 0x{cause.object[cause.start]:02x}); re-encode it as UTF-8"
+                if isinstance(cause, UnicodeDecodeError) else f"cannot be read: {first_line(err)}")
+        if not args.allow_download and not Path(source).exists():  # a Hub data set name, read from the cache only
+            what += "; --allow-download fetches it from the Hub"
+        raise SystemExit(f"error: data {source}: {what}") from None
+
+
+def row_format(row, text_field):
+    """The format a row's fields say: chat (`messages`), prompt-completion, text (--text-field), or None."""
+    if "messages" in row:
+        return "chat"
+    if "prompt" in row and "completion" in row:
+        return "prompt-completion"
+    return "text" if text_field in row else None
+
+
+def missing_fields(source, index, row, args):
+    """The one error line for a row without the fields of --data-format."""
+    wanted = {"text": repr(args.text_field), "chat": "'messages'", "prompt-completion": "'prompt' and 'completion'",
+              "auto": f"{args.text_field!r}"}[args.data_format]
+    return SystemExit(f"error: data {source}: no field {wanted} (its fields: {', '.join(map(str, row))}) in row "
+                      f"{index}; name the text column with --text-field, or give chat rows ('messages') or "
+                      f"prompt/completion rows ('prompt', 'completion')")
+
+
+def resolve_data_format(args):
+    """--data-format auto: the format of --data's first row (synthetic or empty data: text). Afterwards
+    args.data_format is text, chat or prompt-completion; --eval-data must hold rows of the same format."""
+    if args.data_format == "auto":
+        first = None if args.data == "synthetic" else next(iter(read_rows(args, args.data)), None)
+        if first is not None and row_format(first, args.text_field) is None:
+            raise missing_fields(args.data, 0, first, args)
+        args.data_format = "text" if first is None else row_format(first, args.text_field)
+    return args.data_format
+
+
+def packed_documents(args):
+    """Whether rows hold several conversations, told apart by their position ids (which the model is then given)."""
+    return args.data_format != "text" and args.packing == "on"
+
+
+def choose_attention(args):
+    """--attn-implementation auto: sdpa, but for packed conversations on a GPU, where attention must stay inside each
+    conversation, the implementation that skips the work across them: flash_attention_2 where flash-attn is installed
+    (transformers turns the restarting position ids into cu_seqlens, its variable-length kernel computes only the
+    blocks within conversations), else flex_attention (a BlockMask of the documents: blocks across them are skipped).
+    sdpa with packed rows gets a dense [rows, 1, T, T] document mask and runs its masked kernel over every block: the
+    CPU's choice (correct; FlexAttention has no backward on the CPU). Returns why, for the header."""
+    if args.attn_implementation != "auto":
+        return "as given"
+    if not (packed_documents(args) and HAS_CUDA):
+        args.attn_implementation = "sdpa"
+        return ("packed conversations on the CPU: a dense document mask" if packed_documents(args)
+                else "no packed conversations: the causal kernel without a mask")
+    import importlib.util
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    args.attn_implementation = "flash_attention_2" if has_flash else "flex_attention"
+    return ("packed conversations: flash-attn's variable-length kernel" if has_flash else
+            "packed conversations: FlexAttention with a document BlockMask (flash-attn is not installed)")
+
+def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None,
+                           max_length_q=None, **kwargs):
+    """transformers' attention interface over torch's own variable-length attention (torch.nn.attention.varlen:
+    FlashAttention inside torch, CUDA only): the rows' tokens become one ragged batch whose sequences start at
+    cu_seq_lens_q (the packed conversations, from attention_inputs; without them each row is one sequence), each
+    causal within itself, so nothing is computed across conversations. query [B, Hq, T, D], key and value
+    [B, Hkv, T, D]; returns [B, T, Hq, D] and no weights, as transformers' attention functions do."""
+    from torch.nn.attention.varlen import varlen_attn
+    batch, heads, length, head_dim = query.shape
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=query.device)
+        max_length_q = length
+    window = getattr(module, "sliding_window", None)  # a sliding-window layer sees its last `window` tokens
+
+    def ragged(x):  # [B, H, T, D] -> [B*T, H, D]
+        return x.transpose(1, 2).reshape(batch * length, x.shape[1], head_dim)
+    out = varlen_attn(ragged(query), ragged(key), ragged(value), cu_seq_lens_q, cu_seq_lens_q, max_length_q,
+                      max_length_q, scale=scaling, window_size=(-1 if window is None else window - 1, 0),
+                      enable_gqa=key.shape[1] != heads)
+    return out.view(batch, length, heads, head_dim), None
+
+
+# Registered under its name with the mask function of transformers' FlashAttention (no mask tensor: the conversations'
+# boundaries travel as cu_seq_lens), so --attn-implementation torch_varlen works like transformers' own names.
+AttentionInterface.register("torch_varlen", torch_varlen_attention)
+AttentionMaskInterface.register("torch_varlen", flash_attention_mask)
+# The implementations that take packed rows as cu_seq_lens (transformers derives them from position ids in every layer
+# unless they are given).
+VARLEN_ATTENTION = ["flash_attention_2", "flash_attention_3", "torch_varlen"]
+
+
+def attention_inputs(model, position_ids):
+    """The model's keyword arguments for a micro-batch's packed rows (position_ids None: plain rows, nothing to add):
+    the position ids, and for the variable-length kernels the conversations' boundaries (cu_seq_lens, the longest
+    length), found once per micro-batch with transformers' own helper instead of once per layer. The longest length
+    is a number on the host: one sync per micro-batch, which these kernels need to size their launch."""
+    if position_ids is None:
+        return {}
+    if model.config._attn_implementation not in VARLEN_ATTENTION:
+        return {"position_ids": position_ids}
+    (cu_seq_lens_q, cu_seq_lens_k), (max_length_q, max_length_k) = prepare_fa_kwargs_from_position_ids(position_ids)
+    return {"position_ids": position_ids, "cu_seq_lens_q": cu_seq_lens_q, "cu_seq_lens_k": cu_seq_lens_k,
+            "max_length_q": int(max_length_q), "max_length_k": int(max_length_k)}
+
+
 def load_tokenizer(args):
     """The model's tokenizer, or None where it has none here (a built-in architecture, a Hub id not in the cache): the
     UTF-8 bytes of the text are then the token ids (0..255, valid for any vocabulary >= 256)."""
@@ -296,39 +442,213 @@ def load_token_stream(args, source, eos_id, tokenizer, tokens_needed):
     cannot be read, lacks the field, is not UTF-8 or holds no text ends the run with one error line."""
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode("utf-8")))
     ids = []
-    try:
-        for index, row in enumerate(data_rows(source, offline=not args.allow_download)):
-            if args.text_field not in row:
-                raise SystemExit(f"error: data {source}: no field {args.text_field!r} (its fields: "
-                                 f"{', '.join(map(str, row))}); name the text column with --text-field")
-            if not isinstance(text := row[args.text_field], str):
-                raise SystemExit(f"error: data {source}: row {index}: field {args.text_field!r} holds {text!r:.40}, "
-                                 f"not text")
-            ids += encode(text) + [eos_id] if text.strip() else []
-            if len(ids) >= tokens_needed:  # stop early: a big corpus needs only as many tokens as the run trains on
-                break
-    except Exception as err:  # datasets raises many types for "not cached", "no network", "not JSON", ...
-        cause = err
-        while not isinstance(cause, UnicodeDecodeError) and (cause.__cause__ or cause.__context__):
-            cause = cause.__cause__ or cause.__context__  # a decoding error arrives wrapped in datasets' own
-        what = (f"not UTF-8 text (byte 0x{cause.object[cause.start]:02x}); re-encode it as UTF-8"
-                if isinstance(cause, UnicodeDecodeError) else f"cannot be read: {first_line(err)}")
-        if not args.allow_download and not Path(source).exists():  # a Hub data set name, read from the cache only
-            what += "; --allow-download fetches it from the Hub"
-        raise SystemExit(f"error: data {source}: {what}") from None
+    for index, row in enumerate(read_rows(args, source)):
+        if args.text_field not in row:
+            raise missing_fields(source, index, row, args)
+        if not isinstance(text := row[args.text_field], str):
+            raise SystemExit(f"error: data {source}: row {index}: field {args.text_field!r} holds {text!r:.40}, "
+                             f"not text")
+        ids += encode(text) + [eos_id] if text.strip() else []
+        if len(ids) >= tokens_needed:  # stop early: a big corpus needs only as many tokens as the run trains on
+            break
     if not ids:
         raise SystemExit(f"error: data {source}: contains no text in field {args.text_field!r}")
     return torch.tensor(ids, dtype=torch.long)
 
 
+def chat_template_of(args, tokenizer):
+    """The template conversations are rendered with: --chat-template FILE, else the tokenizer's, else (no tokenizer)
+    the built-in byte-level one. A tokenizer without a template and no FILE is an error: guessing one would train a
+    format the model is never prompted with."""
+    if args.chat_template:
+        try:
+            return Path(args.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise SystemExit(f"error: --chat-template {args.chat_template}: {first_line(err)}") from None
+    if tokenizer is None:
+        return BYTE_CHAT_TEMPLATE
+    if not tokenizer.chat_template:
+        raise SystemExit(f"error: the tokenizer of {args.model} has no chat template: give one with --chat-template "
+                         f"FILE (a Jinja template, as in a tokenizer_config.json)")
+    return tokenizer.chat_template
+
+
+def render_chat(messages, template, tokenizer, add_generation_prompt):
+    """The conversation as text, through the chat template: the tokenizer's apply_chat_template, or without a
+    tokenizer transformers' own Jinja renderer (the same function apply_chat_template calls)."""
+    if tokenizer is not None:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    from transformers.utils.chat_template_utils import render_jinja_template
+    return render_jinja_template([messages], chat_template=template, add_generation_prompt=add_generation_prompt)[0][0]
+
+
+def encode_with_offsets(text, tokenizer, add_special_tokens):
+    """(token ids, the character each token starts at): the tokenizer's offsets, or each UTF-8 byte and its char."""
+    if tokenizer is None:
+        return ([byte for char in text for byte in char.encode("utf-8")],
+                [index for index, char in enumerate(text) for _ in char.encode("utf-8")])
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    return encoded["input_ids"], [start for start, _ in encoded["offset_mapping"]]
+
+
+def check_messages(source, index, messages):
+    """A `messages` value must be a list of {"role": str, "content": str} turns: one error line otherwise."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)
+            for turn in messages):
+        raise SystemExit(f"error: data {source}: row {index}: 'messages' must be a list of turns like "
+                         f"{{\"role\": \"user\", \"content\": \"...\"}}, got {messages!r:.60}")
+
+
+def conversation_tokens(args, source, index, row, template, tokenizer, eos_id):
+    """(token ids, target flags) of one chat or prompt/completion row; None where it has no answer to train on.
+
+    Targets are the tokens of the answers: each assistant turn as the template renders it (its end-of-turn tokens
+    included), or the completion followed by EOS; --train-on-prompt makes every token a target. An answer's span is
+    found by rendering the conversation up to it twice: up to the turn before with the generation prompt (where the
+    answer starts) and through the answer (where it ends); tokens starting inside a span are targets. This needs a
+    template that renders a conversation turn by turn, as chat templates do for generation."""
+    if args.data_format == "prompt-completion":
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):  # plain text: no template, EOS ends the answer
+            if not completion.strip():
+                return None
+            ids, starts = encode_with_offsets(prompt + completion, tokenizer, add_special_tokens=True)
+            targets = [args.train_on_prompt or start >= len(prompt) for start in starts]
+            # a special token the tokenizer adds (BOS) has offset 0: part of the prompt
+            return ids + [eos_id], targets + [True]
+        messages, first_answer = ([*prompt, *completion], len(prompt)) if isinstance(prompt, list) and isinstance(
+            completion, list) else (None, 0)
+        if messages is None:
+            raise SystemExit(f"error: data {source}: row {index}: 'prompt' and 'completion' must both be text or both "
+                             f"lists of turns")
+    else:
+        messages, first_answer = row["messages"], 0
+    check_messages(source, index, messages)
+    try:
+        text = render_chat(messages, template, tokenizer, add_generation_prompt=False)
+        spans = []
+        for turn in range(first_answer, len(messages)):
+            if messages[turn]["role"] == "assistant":
+                start = render_chat(messages[:turn], template, tokenizer, add_generation_prompt=True)
+                end = render_chat(messages[:turn + 1], template, tokenizer, add_generation_prompt=False)
+                if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
+                    raise ValueError("it does not render a conversation turn by turn (a shorter conversation's "
+                                     "text is not the start of a longer one's), so the answers cannot be located")
+                spans.append((len(start), len(end)))
+    except Exception as err:  # jinja2's errors, the template's own raise_exception, ours above
+        raise SystemExit(f"error: data {source}: row {index}: the chat template does not render it: "
+                         f"{first_line(err)}") from None
+    if not spans:
+        return None
+    ids, starts = encode_with_offsets(text, tokenizer, add_special_tokens=False)  # the template writes BOS itself
+    return ids, [args.train_on_prompt or any(a <= start < b for a, b in spans) for start in starts]
+
+
+def load_conversations(args, source, eos_id, tokenizer, rows_needed):
+    """[(token ids, shifted labels)] of the chat or prompt/completion rows of `source`, read until they fill
+    rows_needed rows of --seq-len (packed: a quarter more tokens than the rows hold, as first fit leaves some room in
+    each row) or give rows_needed conversations (padded). Each conversation's labels are
+    shifted within it: its last position predicts nothing, so no position learns the next conversation's first token.
+    A conversation longer than --seq-len is cut to it; one without an answer is skipped; both are counted."""
+    template = chat_template_of(args, tokenizer)
+    conversations, tokens, skipped, truncated = [], 0, 0, 0
+    for index, row in enumerate(read_rows(args, source)):
+        if row_format(row, args.text_field) != args.data_format:
+            raise missing_fields(source, index, row, args)
+        ids, targets = conversation_tokens(args, source, index, row, template, tokenizer, eos_id) or ([], [])
+        truncated += len(ids) > args.seq_len
+        ids, targets = ids[:args.seq_len], targets[:args.seq_len]
+        if not any(targets[1:]):  # no answer (within --seq-len); the first token is never predicted
+            skipped += 1
+            continue
+        labels = [token if target else -100 for token, target in zip(ids[1:], targets[1:])] + [-100]
+        conversations.append((ids, labels))
+        tokens += len(ids)
+        if len(conversations) >= rows_needed and (args.packing == "off" or tokens >= 1.25 * rows_needed * args.seq_len):
+            break
+    what = ("an assistant turn" if args.data_format == "chat" else "a completion") + f" within {args.seq_len} tokens"
+    if not conversations:
+        raise SystemExit(f"error: data {source}: no row has {what} to train on ({skipped} read)")
+    print(f"data {source}: {len(conversations)} conversations" + (f", {skipped} without {what} skipped" * bool(skipped))
+          + (f", {truncated} longer than --seq-len {args.seq_len} truncated" * bool(truncated))
+          + ("" if tokenizer else ", tokenized as UTF-8 bytes with the built-in chat template (no tokenizer)"))
+    return conversations
+
+
+def pack_conversations(conversations, seq_len):
+    """Rows of whole conversations, each at most seq_len tokens: first fit, in order (each conversation goes into the
+    first row with room for it, so short ones fill the gaps the long ones leave). Returns lists of indices."""
+    rows, free = [], []
+    for index, (ids, _) in enumerate(conversations):
+        row = next((r for r, room in enumerate(free) if room >= len(ids)), None)
+        if row is None:
+            rows.append([])
+            free.append(seq_len)
+            row = len(rows) - 1
+        rows[row].append(index)
+        free[row] -= len(ids)
+    return rows
+
+
+def conversation_rows(conversations, groups, length, pad_id):
+    """[3, len(groups), length] tensors: each group's conversations side by side, padded at the end. Positions restart
+    at 0 at every conversation (and in the padding, which then counts as one more document): transformers sees
+    the boundaries in them and keeps attention within each conversation, and RoPE gets each token's own position."""
+    fields = torch.full((3, len(groups), length), -100, dtype=torch.long)
+    fields[0] = pad_id
+    for row, group in enumerate(groups):
+        at = 0
+        for ids, labels in (conversations[index] for index in group):
+            fields[0, row, at:at + len(ids)] = torch.tensor(ids)
+            fields[1, row, at:at + len(ids)] = torch.tensor(labels)
+            fields[2, row, at:at + len(ids)] = torch.arange(len(ids))
+            at += len(ids)
+        fields[2, row, at:] = torch.arange(length - at)
+    return fields
+
+
 def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, world_size=1):
-    """[n_batches, batch, seq_len] token ids of "train" (--steps x --grad-accum-steps micro-batches of --data) or "eval"
-    (--eval-batches of --eval-data, or of the end of --data with --eval-split). The same arguments give the same
+    """The batches of "train" (--steps steps of --grad-accum-steps micro-batches of --data) or "eval" (--eval-batches
+    of --eval-data, or of the end of --data with --eval-split), each [3, batch, T] (token ids, shifted labels,
+    positions), and the real (not padding) tokens of each step over all ranks. The same arguments give the same
     batches: --resume continues the data where the checkpoint left it. --fsdp: rank r trains rows r::world_size."""
+    resolve_data_format(args)
     n_batches = args.steps * args.grad_accum_steps if split == "train" else args.eval_batches
+    per_step = args.grad_accum_steps if split == "train" else 1
     rows = world_size * args.batch_size
     tokens_needed = n_batches * rows * args.seq_len
     source = args.eval_data if split == "eval" and args.eval_data else args.data
+    if args.data_format != "text":
+        # --eval-split: read what training needs plus the held-out share, then hold out the last conversations
+        rows_needed = math.ceil(args.steps * args.grad_accum_steps * rows / (1 - args.eval_split)) \
+            if args.eval_split else n_batches * rows
+        conversations = load_conversations(args, source, eos_id, tokenizer, rows_needed)
+        if args.eval_split:
+            cut = min(max(1, int(len(conversations) * (1 - args.eval_split))), len(conversations) - 1)
+            conversations = conversations[:cut] if split == "train" else conversations[cut:]
+        if max(max(ids) for ids, _ in conversations) >= vocab_size:
+            raise SystemExit(f"error: data {source}: token ids outside the model's vocabulary ({vocab_size})")
+        groups = (pack_conversations(conversations, args.seq_len) if args.packing == "on"
+                  else [[index] for index in range(len(conversations))])
+        if len(groups) < n_batches * rows:
+            print(f"{split} data fills {len(groups)} rows, the run needs {n_batches * rows}: cycling through them")
+            groups = (groups * -(-n_batches * rows // len(groups)))
+        groups = groups[:n_batches * rows]
+        steps = []
+        for first in range(0, len(groups), per_step * rows):  # padded: each step to its longest conversation
+            step_groups = groups[first:first + per_step * rows]
+            length = args.seq_len if args.packing == "on" else max(
+                sum(len(conversations[index][0]) for index in group) for group in step_groups)
+            steps.append(conversation_rows(conversations, step_groups, length, eos_id).view(3, per_step, rows, length)
+                         .transpose(0, 1)[:, :, rank::world_size].contiguous().to(device))
+        real_tokens = [sum(len(conversations[index][0]) for group in groups[first:first + per_step * rows]
+                           for index in group) for first in range(0, len(groups), per_step * rows)]
+        fill = sum(real_tokens) / sum(step.shape[0] * rows * step.shape[-1] for step in steps)
+        return {"steps": steps if split == "train" else [step[0] for step in steps], "real_tokens": real_tokens,
+                "fill": fill, "conversations": len(conversations),
+                "tokenized_by": "the built-in chat template over UTF-8 bytes" if tokenizer is None else "the tokenizer"}
     if source == "synthetic":  # what the playbook trains on: uniform random tokens (loss stays near ln V)
         generator = torch.Generator().manual_seed(args.seed + (split == "eval"))  # held-out tokens are others
         stream = torch.randint(0, vocab_size, (tokens_needed,), generator=generator)
@@ -346,10 +666,20 @@ def make_batches(args, split, vocab_size, eos_id, tokenizer, device, rank=0, wor
         if stream.numel() < tokens_needed:
             print(f"{split} data has {stream.numel()} tokens, the run needs {tokens_needed}: cycling through it")
             stream = stream.repeat(-(-tokens_needed // stream.numel()))
-    # Packed: consecutive seq_len windows of the stream (no padding; attention crosses document boundaries, the
-    # usual simplification for packed pre-training-style batches).
-    batches = stream[:tokens_needed].view(n_batches, rows, args.seq_len)
-    return batches[:, rank::world_size].contiguous().to(device)
+    # Consecutive seq_len windows of the stream, every token a target (no padding; attention crosses document
+    # boundaries, the usual simplification for pre-training-style text).
+    input_ids = stream[:tokens_needed].view(n_batches, rows, args.seq_len)[:, rank::world_size]
+    batches = text_batch(input_ids).view(n_batches // per_step, per_step, 3, *input_ids.shape[1:]).to(device)
+    return {"steps": batches if split == "train" else batches[:, 0], "real_tokens": [per_step * rows * args.seq_len]
+            * (n_batches // per_step), "fill": 1.0, "conversations": None,
+            "tokenized_by": "random ids" if source == "synthetic" else "UTF-8 bytes" if tokenizer is None
+            else "the tokenizer"}
+
+
+def text_batch(input_ids):
+    """[..., 3, rows, T] of text windows [..., rows, T]: the ids, their labels shifted, positions 0..T-1 in each row."""
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    return torch.stack([input_ids, shift_labels_of(input_ids), positions], dim=-3).contiguous()
 
 
 def load_data(args, config, device, rank, world_size):
@@ -366,6 +696,17 @@ def shift_labels_of(labels):
     """What transformers' ForCausalLMLoss does: position t predicts token t+1, the last position predicts nothing.
     Shifting the labels (instead of slicing the logits) keeps the [B, T, V] logits whole: no copy of them."""
     return F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()  # contiguous: [B, T] rows, viewable as [B*T]
+
+
+def targets_per_rank(micro_batches, world_size):
+    """The divisor of an optimizer step's (or an evaluation's) summed per-token losses: its target tokens over all
+    micro-batches and ranks, divided by the number of ranks, because FSDP averages the ranks' gradients. Each
+    micro-batch's sum over this divisor then adds up to the token-weighted mean of the whole step, however the targets
+    fall between micro-batches and ranks. A device tensor: counting and the all-reduce need no host sync."""
+    count = sum((labels != -100).sum() for _, labels, _ in micro_batches)
+    if world_size > 1:
+        dist.all_reduce(count)  # a collective on the device, not a host sync
+    return count.float() / world_size
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -387,21 +728,34 @@ def apply_liger(model):
     return patched
 
 
-def compute_loss(model, input_ids, shift_labels, loss_impl):
-    """(loss, token accuracy): the fraction of non-ignored positions whose most likely token is the label."""
+def compute_loss(model, input_ids, shift_labels, loss_impl, position_ids=None, num_targets=None):
+    """(loss, token accuracy): the mean over the non-ignored positions of the loss and of the hits (the most likely
+    token is the label), or with num_targets (targets_per_rank) their sums divided by it: the micro-batch's share of
+    its step's token-weighted means. position_ids: per-token positions of packed rows (None: 0..T-1 in every row)."""
     if loss_impl == "liger":
         # Liger's fused linear cross-entropy lives in its patched forward, which takes that path when it is given
         # labels (shift_labels: transformers' keyword for already-shifted ones) and skip_logits, also in evaluation.
         # Its kernel finds the token accuracy in the same pass when asked (what TRL passes to log it).
-        out = model(input_ids=input_ids, shift_labels=shift_labels, skip_logits=True, return_token_accuracy=True)
-        return out.loss, out.token_accuracy
-    logits = model(input_ids=input_ids).logits  # [B, T, V] in the model's dtype
-    # transformers' ForCausalLMLoss: upcast the logits to fp32, mean over the non-ignored tokens.
-    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=-100)
+        # num_items_in_batch: transformers' name for the divisor of summed losses (Liger's loss then sums).
+        out = model(input_ids=input_ids, **attention_inputs(model, position_ids), shift_labels=shift_labels,
+                    skip_logits=True, return_token_accuracy=True, num_items_in_batch=num_targets)
+        return out.loss, token_share(out.token_accuracy, shift_labels, num_targets)
+    logits = model(input_ids=input_ids, **attention_inputs(model, position_ids)).logits  # [B, T, V], model's dtype
+    # transformers' ForCausalLMLoss: upcast the logits to fp32, mean (or sum) over the non-ignored tokens.
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=-100,
+                           reduction="mean" if num_targets is None else "sum")
     with torch.no_grad():  # one more pass over the logits (argmax), as a training loop that logs accuracy does
         counted = shift_labels != -100
-        accuracy = ((logits.argmax(dim=-1) == shift_labels) & counted).sum() / counted.sum()
-    return loss, accuracy
+        hits = ((logits.argmax(dim=-1) == shift_labels) & counted).sum()
+    if num_targets is None:
+        return loss, hits / counted.sum()
+    return loss / num_targets, hits / num_targets
+
+
+def token_share(mean, shift_labels, num_targets):
+    """A micro-batch's mean over its own targets as its share of the step's token-weighted mean: mean x its targets /
+    num_targets (None: the mean itself). A micro-batch without targets has a NaN mean and adds 0."""
+    return mean if num_targets is None else mean.nan_to_num() * (shift_labels != -100).sum() / num_targets
 
 
 class ModelWithLoss(torch.nn.Module):
@@ -412,21 +766,25 @@ class ModelWithLoss(torch.nn.Module):
         super().__init__()
         self.model, self.loss_impl = model, loss_impl
 
-    def forward(self, input_ids, shift_labels):
-        return compute_loss(self.model, input_ids, shift_labels, self.loss_impl)
+    def forward(self, input_ids, shift_labels, position_ids=None, num_targets=None):
+        return compute_loss(self.model, input_ids, shift_labels, self.loss_impl, position_ids, num_targets)
 
 
 @torch.no_grad()
-def evaluate(model_with_loss, batches, world_size):
-    """Mean held-out loss and token accuracy over batches ([n, batch, seq_len]), averaged over the ranks."""
+def evaluate(model_with_loss, batches, world_size, documents):
+    """Held-out loss and token accuracy over batches (each [3, batch, T]) on every rank: their sums over every target
+    token divided by the targets' count, so each target counts once, however many a batch holds. documents: the
+    rows are packed conversations, whose positions the model is given."""
     model_with_loss.eval()
-    results = [model_with_loss(input_ids, shift_labels_of(input_ids)) for input_ids in batches]
+    num_targets = targets_per_rank(batches, world_size)
+    results = [model_with_loss(input_ids, shift_labels, position_ids if documents else None, num_targets)
+               for input_ids, shift_labels, position_ids in batches]
     model_with_loss.train()
-    means = [torch.stack([result[i].float() for result in results]).mean() for i in (0, 1)]
+    sums = [torch.stack([result[i].float() for result in results]).sum() for i in (0, 1)]
     if world_size > 1:
-        for mean in means:
-            dist.all_reduce(mean.div_(world_size))
-    return [mean.item() for mean in means]
+        for value in sums:
+            dist.all_reduce(value.div_(world_size))  # each rank's sum is over the mean count per rank
+    return [value.item() for value in sums]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -536,10 +894,10 @@ def seq_len_search(args, train_step, phase, vocab, device):
     generator = torch.Generator().manual_seed(args.seed)
     warmup_len = min(2048, args.seq_len_search[0])
     print(f"seq-len search (batch 1, synthetic tokens, after a warm-up step of {warmup_len}): {args.seq_len_search}")
-    train_step(torch.randint(0, vocab, (1, 1, warmup_len), generator=generator).to(device))
+    train_step(text_batch(torch.randint(0, vocab, (1, 1, warmup_len), generator=generator)).to(device))
     rows = []
     for seq_len in args.seq_len_search:
-        input_ids = torch.randint(0, vocab, (1, 1, seq_len), generator=generator).to(device)
+        input_ids = text_batch(torch.randint(0, vocab, (1, 1, seq_len), generator=generator)).to(device)
         if HAS_CUDA:
             torch.cuda.empty_cache()  # hand back the previous length's cached blocks: this length's own peak
             torch.cuda.reset_peak_memory_stats()
@@ -607,8 +965,8 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     """Steps start_step+1 .. --steps, then the summary. The first step(s) of the process are a warm-up left out of the
     timing (kernels compile, cuBLAS picks algorithms, the optimizer creates its state); each later step is timed
     between two synchronizations."""
-    micro_batches = batches["train"].view(args.steps, args.grad_accum_steps, *batches["train"].shape[1:])
-    tokens_per_step = world_size * args.grad_accum_steps * args.batch_size * args.seq_len
+    micro_batches, tokens_per_step = batches["train"]["steps"], batches["train"]["real_tokens"]  # real: no padding
+    timed_tokens = []
     warmup_steps = 2 if args.compile and args.compile_mode == "reduce-overhead" else 1  # the 2nd records its graphs
     sync = torch.cuda.synchronize if HAS_CUDA else lambda: None
     writer = None
@@ -627,11 +985,13 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
         sync()
         if step > start_step + warmup_steps:
             step_times.append(time.perf_counter() - t0)
+            timed_tokens.append(tokens_per_step[step - 1])
         records.append((loss, accuracy, grad_norm))
         scalars = {"train/loss": loss, "train/lr": schedulers[0].get_last_lr()[0], "train/grad_norm": grad_norm,
-                   "train/tokens_per_s": tokens_per_step / step_times[-1] if step_times else None}
+                   "train/tokens_per_s": timed_tokens[-1] / step_times[-1] if step_times else None}
         if batches["eval"] is not None and (step % (args.eval_steps or args.steps) == 0 or step == args.steps):
-            eval_loss, eval_accuracy = evaluate(model_with_loss, batches["eval"], world_size)
+            eval_loss, eval_accuracy = evaluate(model_with_loss, batches["eval"]["steps"], world_size,
+                                                packed_documents(args))
             evals.append({"step": step, "loss": eval_loss, "token_accuracy": eval_accuracy})
             scalars.update({"eval/loss": eval_loss, "eval/token_accuracy": eval_accuracy})
         scalars = {name: float(value) for name, value in scalars.items() if value is not None}
@@ -647,7 +1007,7 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     # per figure, its value at every step (None where the step gives none, e.g. the norm without clipping)
     losses, accuracies, grad_norms = [None if column[0] is None else torch.stack(column).tolist()
                                       for column in zip(*records)]
-    tokens_per_s = tokens_per_step * len(step_times) / sum(step_times) if step_times else None
+    tokens_per_s = sum(timed_tokens) / sum(step_times) if step_times else None
     avg_step_ms = 1e3 * sum(step_times) / len(step_times) if step_times else None
     peak_gib = [torch.cuda.max_memory_allocated() / 2**30 if HAS_CUDA else None] * world_size
     if args.fsdp:  # each rank holds its own shards, activations and optimizer state: report every rank's peak
@@ -655,14 +1015,22 @@ def train(args, train_step, model_with_loss, optimizers, schedulers, batches, st
     print(f"---- summary: {variant} {args.model} {args.batch_size}x{args.seq_len} {args.optimizer} ----")
     print(f"steps           : {start_step + 1}..{args.steps}, {len(step_times)} timed after {warmup_steps} warm-up")
     print("tokens/s        : " + (f"{tokens_per_s:,.0f} ({avg_step_ms:.1f} ms/step)" if tokens_per_s
-                                   else "n/a (no timed step)") + (f" over {world_size} ranks" if args.fsdp else ""))
+                                   else "n/a (no timed step)") + (f" over {world_size} ranks" if args.fsdp else "")
+          + (" (real tokens, no padding)" if args.data_format != "text" else ""))
+    if args.data_format != "text":
+        print(f"rows            : {batches['train']['conversations']} conversations, "
+              + (f"packed into rows {100 * batches['train']['fill']:.1f} % full" if args.packing == "on" else
+                 f"one per row, padded: {100 * batches['train']['fill']:.1f} % of the tokens are real"))
     print("peak GPU memory : " + (", ".join(f"{gib:.2f} GiB" for gib in peak_gib) if HAS_CUDA else "n/a (CPU)"))
     print(f"loss            : {losses[0]:.4f} (step {start_step + 1}) -> {losses[-1]:.4f} (step {args.steps})"
           + (f" | held-out {evals[-1]['loss']:.4f}" if evals else ""))
     for checkpoint in saved[-1:]:
         print(f"checkpoint      : {checkpoint['bytes'] / 2**30:.2f} GiB written in {checkpoint['write_s']:.1f} s (step "
               f"{checkpoint['step']}, {len(saved)} written)")
-    return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": tokens_per_step, "steps": args.steps,
+    return {"shape": f"{args.batch_size}x{args.seq_len}", "tokens_per_step": sum(tokens_per_step) / args.steps,
+            "real_tokens_per_step": tokens_per_step, "row_fill": batches["train"]["fill"],
+            "conversations": batches["train"]["conversations"], "tokenized_by": batches["train"]["tokenized_by"],
+            "steps": args.steps,
             "start_step": start_step, "warmup_steps": warmup_steps, "tokens_per_s": tokens_per_s,
             "avg_step_ms": avg_step_ms, "peak_memory_gib": peak_gib[0], "peak_memory_gib_per_rank": peak_gib,
             "losses": losses, "token_accuracies": accuracies, "grad_norms": grad_norms,
@@ -687,6 +1055,9 @@ def fine_tune(argv=None):
     rank, world_size, device = init_distributed(args)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if HAS_CUDA else torch.float32)
     info = run_info()
+    resolve_data_format(args)  # before the model: the attention depends on it
+    documents, attention_reason = packed_documents(args), choose_attention(args)
+    data_kind = args.data_format + (f", packing {args.packing}" if args.data_format != "text" else "")
     torch.manual_seed(args.seed)  # the same on every rank: identical random weights before FSDP shards them
     model, weights = load_model(args, device, dtype)
     model.config.use_cache = False  # training: no KV cache
@@ -718,16 +1089,18 @@ def fine_tune(argv=None):
     phase = {"now": "idle"}  # the part of the step that is running: names what ran out of memory
 
     def train_step(micro_batches):
-        """One optimizer step over micro_batches ([grad_accum_steps, batch, seq_len] token ids); returns the loss, the
-        token accuracy and the gradient norm (None without clipping), as device tensors: no host sync."""
+        """One optimizer step over micro_batches ([grad_accum_steps, 3, batch, T]: token ids, shifted labels,
+        positions); returns the loss and the token accuracy (token-weighted means over all the step's targets) and
+        the gradient norm (None without clipping), as device tensors: no host sync."""
+        num_targets = targets_per_rank(micro_batches, world_size)
         step_loss, step_accuracy = 0.0, 0.0
-        for input_ids in micro_batches:
+        for input_ids, shift_labels, position_ids in micro_batches:
             phase["now"] = "forward"
-            loss, accuracy = step_module(input_ids, shift_labels_of(input_ids))
+            loss, accuracy = step_module(input_ids, shift_labels, position_ids if documents else None, num_targets)
             phase["now"] = "backward"
-            (loss / len(micro_batches)).backward()
-            step_loss = step_loss + loss.detach() / len(micro_batches)
-            step_accuracy = step_accuracy + accuracy / len(micro_batches)
+            loss.backward()  # the micro-batch's summed losses over the step's targets: the step's gradient adds up
+            step_loss = step_loss + loss.detach()
+            step_accuracy = step_accuracy + accuracy
         phase["now"] = "optimizer step"
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm
                      else None)
@@ -746,9 +1119,11 @@ def fine_tune(argv=None):
     print(f"device: {info['device']} | torch {info['torch']} | triton {info['triton']} | "
           f"transformers {info['transformers']} | commit {info['git_commit']}{'+dirty' if info['git_dirty'] else ''}")
     print(f"model: {args.model} ({weights} weights), {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"vocab {config.vocab_size}, {str(dtype).replace('torch.', '')}, attn {args.attn_implementation}")
+          f"vocab {config.vocab_size}, {str(dtype).replace('torch.', '')}, attn {args.attn_implementation} "
+          f"({attention_reason})")
     print(f"{Path(__file__).name}: variant {variant}, optimizer {args.optimizer}, lr {args.lr} ({args.lr_scheduler}), "
-          f"data {args.data}, checkpointing {args.activation_checkpointing}" + f", replaced {replaced}" * bool(replaced)
+          f"data {args.data} ({data_kind}), checkpointing {args.activation_checkpointing}"
+          + f", replaced {replaced}" * bool(replaced)
           + (f", FSDP2 over {world_size} ranks (batch {args.batch_size} per rank)" if args.fsdp else ""))
     if args.compile:
         print(f"torch.compile: backend {COMPILE_BACKEND}, mode {args.compile_mode}"

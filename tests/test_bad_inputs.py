@@ -29,7 +29,13 @@ def write_bad_data(folder):
              "notext.jsonl": b'{"content": "hello"}\n{"content": "world"}\n',
              "latin1.txt": "caf\u00e9 au lait\n".encode("latin-1"),
              "nulltext.jsonl": b'{"text": "fine"}\n{"text": null}\n',
-             "notes.xyz": b"some text"}
+             "notes.xyz": b"some text",
+             "chat-not-turns.jsonl": b'{"messages": "hello"}\n',
+             "chat-no-answer.jsonl": b'{"messages": [{"role": "user", "content": "hi"}]}\n',
+             "chat.jsonl": b'{"messages": [{"role": "user", "content": "hi"}, '
+                           b'{"role": "assistant", "content": "yo"}]}\n',
+             "broken-template.jinja": b"{% for message in messages %}{{ message['content'] }}",
+             "prompt-mixed.jsonl": b'{"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]}\n'}
     for name, content in files.items():
         (folder / name).write_bytes(content)
     return folder
@@ -79,22 +85,48 @@ BASELINE_CASES = {
                              "error: --attn-implementation flash_attention_2: FlashAttention2 has been toggled on"),
     "flex-attention-on-cpu": (["--attn-implementation", "flex_attention"],
                               "--attn-implementation flex_attention needs a GPU"),
+    "torch-varlen-on-cpu": (["--attn-implementation", "torch_varlen"],
+                            "--attn-implementation torch_varlen needs a GPU"),
+    # conversations: rows that are not turns, no answer anywhere, a template that does not render, the wrong format
+    "chat-not-turns": (["--data", "{data}/chat-not-turns.jsonl"], "row 0: 'messages' must be a list of turns like"),
+    "chat-no-answer": (["--data", "{data}/chat-no-answer.jsonl"],
+                       "no row has an assistant turn within 32 tokens to train on (1 read)"),
+    "chat-template-broken": (["--data", "{data}/chat.jsonl", "--chat-template", "{data}/broken-template.jinja"],
+                             "row 0: the chat template does not render it: "),
+    "chat-template-missing": (["--data", "{data}/chat.jsonl", "--chat-template", "{data}/missing.jinja"],
+                              "error: --chat-template "),
+    "chat-format-of-text": (["--data", "{data}/nulltext.jsonl", "--data-format", "chat"],
+                            "no field 'messages' (its fields: text) in row 0"),
+    "prompt-completion-mixed": (["--data", "{data}/prompt-mixed.jsonl"],
+                                "'prompt' and 'completion' must both be text or both lists of turns"),
+}
+# What only the optimized script has: a captured step replays one shape; a compiled step with sdpa keeps the causal
+# mask a flag, which packed conversations cannot use.
+OPTIMIZED_CASES = {
+    "cuda-graph-of-conversations": (["--data", "{data}/chat.jsonl", "--cuda-graph"],
+                                    "error: --cuda-graph replays one step of one shape with no host work"),
+    "compile-sdpa-of-packed": (["--data", "{data}/chat.jsonl", "--compile"],
+                               "error: --compile with sdpa keeps the causal mask a flag"),
 }
 # Every data set is read through the datasets package.
 NEEDS_DATASETS = {"data-empty", "data-no-text-field", "data-not-utf8", "data-only-whitespace", "data-null-text",
-                  "data-missing-file", "data-unknown-type", "data-hub-not-cached", "text-field-missing"}
+                  "data-missing-file", "data-unknown-type", "data-hub-not-cached", "text-field-missing",
+                  "chat-not-turns", "chat-no-answer", "chat-template-broken", "chat-template-missing",
+                  "chat-format-of-text", "prompt-completion-mixed", "cuda-graph-of-conversations",
+                  "compile-sdpa-of-packed"}
 
 
 @pytest.mark.parametrize("script, case", [(script, case) for script in FINETUNE for case in FINETUNE_CASES]
-                         + [("finetune_baseline.py", case) for case in BASELINE_CASES])
+                         + [("finetune_baseline.py", case) for case in BASELINE_CASES]
+                         + [("finetune_optimized.py", case) for case in OPTIMIZED_CASES])
 def test_finetune_bad_input(script, case, tmp_path):
     if case in NEEDS_DATASETS:
         pytest.importorskip("datasets")
     if case == "attn-package-missing" and importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed")
-    if case == "flex-attention-on-cpu" and torch.cuda.is_available():
+    if case in ("flex-attention-on-cpu", "torch-varlen-on-cpu") and torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    flags, expected = {**FINETUNE_CASES, **BASELINE_CASES}[case]
+    flags, expected = {**FINETUNE_CASES, **BASELINE_CASES, **OPTIMIZED_CASES}[case]
     data = write_bad_data(tmp_path / "data")
     out = tmp_path / "out.json"
     flags = [flag.format(data=data) for flag in flags]

@@ -143,7 +143,8 @@ def test_final_model_reloads_and_gives_the_last_held_out_loss(uninterrupted):
     args = finetune_baseline.parse_args(result["command"][2:])
     batches = finetune_baseline.make_batches(args, "eval", model.config.vocab_size, model.config.eos_token_id, None,
                                              "cpu")
-    loss, _ = finetune_baseline.evaluate(finetune_baseline.ModelWithLoss(model, "eager"), batches, 1)
+    loss, _ = finetune_baseline.evaluate(finetune_baseline.ModelWithLoss(model, "eager"), batches["steps"], 1,
+                                         documents=False)
     assert loss == pytest.approx(result["evals"][-1]["loss"], rel=1e-6)
 
 

@@ -264,6 +264,9 @@ def test_local_model_loads_real_weights_with_device_map(saved_model, module, mon
 
     monkeypatch.setattr(module.AutoModelForCausalLM, "from_pretrained", spy)
     args = module.parse_args(["--model", str(folder)])
+    if module is finetune_baseline:  # the fine-tune scripts pick the attention once they know the data's format
+        module.resolve_data_format(args)
+        module.choose_attention(args)
     model, weights = module.load_model(args, DEVICE, torch.float32)
     assert weights == "real" and calls[0]["device_map"] == DEVICE
     loaded = model.state_dict()
@@ -349,7 +352,10 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 # only what is ours (our machinery exists once, in finetune_optimized.py).
 SHARED = ["run_info", "first_line", "builtin_config", "load_model", "data_rows", "load_tokenizer", "load_token_stream",
           "make_batches", "load_data", "shift_labels_of", "default_out_path", "evaluate", "checkpoints", "resume",
-          "save_final", "write_results", "seq_len_search"]
+          "save_final", "write_results", "seq_len_search", "read_rows", "row_format", "missing_fields",
+          "resolve_data_format", "packed_documents", "choose_attention", "chat_template_of", "render_chat",
+          "encode_with_offsets", "check_messages", "conversation_tokens", "load_conversations", "pack_conversations",
+          "conversation_rows", "text_batch", "targets_per_rank", "token_share"]
 
 
 def test_stock_parts_are_parallel_text():
@@ -357,7 +363,7 @@ def test_stock_parts_are_parallel_text():
         assert inspect.getsource(getattr(finetune_baseline, name)) == \
             inspect.getsource(getattr(finetune_optimized, name)), name
     for name in ["SOFTCAP_ATTENTION", "DATA_FILE_BUILDERS", "UNNAMED_OPTIONS", "DTYPES", "ATTN_IMPLEMENTATIONS",
-                 "LR_SCHEDULERS", "SEARCH_RETIME_S"]:
+                 "LR_SCHEDULERS", "SEARCH_RETIME_S", "DATA_FORMATS", "BYTE_CHAT_TEMPLATE"]:
         assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
     assert finetune_baseline.ATTN_IMPLEMENTATIONS == profile_baseline.ATTN_IMPLEMENTATIONS
     for name in ["run_info", "first_line", "builtin_config", "load_model"]:

@@ -115,3 +115,21 @@ def test_fsdp_run_ends_after_the_barrier_the_group_and_the_flush(module, monkeyp
     with pytest.raises(Ended):
         module.end_distributed_run()
     assert calls == ["barrier", "destroy", "flush stdout", "flush stderr", "exit 0"]
+
+
+def test_fsdp_weighs_every_target_token_once_on_conversations(tmp_path):
+    """Chat rows, one per rank and step (--packing off), whose answers differ in length: the ranks hold different
+    numbers of targets, so only a step loss normalised by the count over both ranks (all-reduced) gives the single
+    process's token-weighted loss; averaging the ranks' own means would miss it by several percent."""
+    data = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "q" * (index % 3 + 1)},
+                          {"role": "assistant", "content": "a" * (3 + 9 * (index % 2))}]} for index in range(8)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--data", str(data), "--packing", "off", "--seq-len", "64"]  # the longest conversation: 54 tokens
+    sharded, _ = run(LAUNCHERS["torchrun"], "finetune_baseline.py", tmp_path / "fsdp.json", "--fsdp", *flags)
+    single, _ = run([sys.executable], "finetune_baseline.py", tmp_path / "single.json", *flags,
+                    "--batch-size", str(WORLD_SIZE))
+    assert sharded["real_tokens_per_step"] == single["real_tokens_per_step"]
+    assert single["losses"][0] - single["losses"][-1] > 0.1
+    assert sharded["losses"] == pytest.approx(single["losses"], rel=1e-4)
+    assert sharded["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)

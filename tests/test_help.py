@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ["profile_baseline.py", "rmsnorm_kernel.py", "rmsnorm_test.py", "cross_entropy_kernel.py",
            "cross_entropy_test.py", "swiglu_kernel.py", "swiglu_test.py", "rope_kernel.py", "rope_test.py",
            "benchmark_kernels.py", "finetune_baseline.py", "finetune_optimized.py", "linear_cross_entropy_kernel.py",
-           "float8_training.py", "memory_plan.py"]
+           "float8_training.py", "memory_plan.py", "make_conversations.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
