@@ -681,12 +681,14 @@ def main(argv=None):
     def rel_error(a, b):
         return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
-    # The tests' rule: no worse than PyTorch in the same dtype times 1.5, plus a small floor.
+    # The tests' rule: no worse than PyTorch in the same dtype times 1.5, plus a small floor, plus the dtype's eps for
+    # tensors of fewer than 1000 numbers, whose errors are noisy statistics (rmsnorm_test.py says why).
     floor = {torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]
     ok, parts = True, []
     for name, a, b, ref in zip(("y", "dx", "dw"), ours, torchs, reference):
         ours_err, torch_err = rel_error(a, ref), rel_error(b, ref)
-        ok &= ours_err <= 1.5 * torch_err + floor
+        small = torch.finfo(a.dtype).eps if a.numel() < 1000 else 0.0
+        ok &= ours_err <= 1.5 * torch_err + floor + small
         parts.append(f"{name} {ours_err:.2e} (PyTorch {torch_err:.2e})")
     where = "CPU interpreter" if INTERPRETER else torch.cuda.get_device_name()
     print(f"rms_norm {args.rows}x{args.hidden} {args.dtype} on {where}, relative error vs float64: "

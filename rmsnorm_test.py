@@ -3,11 +3,11 @@ line per check).
 
 How a check passes: the forward output y, dx and dw are compared with a float64 reference computed from the SAME
 rounded inputs. PyTorch's own LlamaRMSNorm math in the same dtype is measured against that reference too, and ours must
-be no worse than PyTorch's error times 1.5 (4 for tensors of fewer than 64 numbers, whose error is a noisy statistic),
-plus a tiny floor: the same rule on the GPU and on the CPU interpreter, whose casts round like the GPU's through the
-kernel's _round_to. All-zero or wrong outputs have a relative error near 1 and fail. Every check draws fresh random
-data (the seed is in the failure message) and a random weight (not ones, which would hide a missing multiply in the
-backward pass).
+be no worse than PyTorch's error times 1.5 plus a tiny floor (plus the dtype's eps for tensors of fewer than 1000
+numbers, whose errors are noisy statistics): the same rule on the GPU and on the CPU interpreter, whose casts round like
+the GPU's through the kernel's _round_to. All-zero or wrong outputs have a relative error near 1 and fail. Every check
+draws fresh random data (the seed is in the failure message) and a random weight (not ones, which would hide a missing
+multiply in the backward pass).
 
 Covered: odd hidden sizes, 3-D inputs, rows with gaps and transposed (non-contiguous) inputs and upstream gradients,
 fp32 / bf16 / fp16 and an fp32 weight with a bf16 input, eps = 0, empty inputs, a deterministic weight gradient, bf16
@@ -39,10 +39,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Ours may be this many times PyTorch's error in the same dtype (fp32 accumulation in a different order, rsqrt's last
 # bit), plus a floor for errors that are tiny anyway.
 ERROR_FACTOR = 1.5
-# A relative error over fewer than 64 numbers is a noisy statistic: dw at hidden size 17 (17 numbers, ours and
-# PyTorch's each rounded once from differently rounded fp32 sums) reaches 2.7x PyTorch's error in 4000 draws.
-SMALL_TENSOR_FACTOR = 4.0
 ERROR_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}
+# Over fewer numbers than this, a relative error is a noisy statistic, and so is the budget: dw shares the rounding of
+# normed with PyTorch's, whose rounded products can cancel it by chance and leave PyTorch's error small (dw at hidden
+# size 17 reaches 4.7x it, at 64 1.6x: no factor bounds the ratio). Such tensors may add the dtype's eps (two
+# roundings) to the limit, which ours then stays far below whatever PyTorch's error (under 0.57 of it in 500,000 draws
+# of each of the smallest shapes); a dw 2 % off still fails.
+SMALL_TENSOR_NUMEL = 1000
 
 # (leading shape, hidden): odd hidden sizes, 3-D inputs, and 600 rows of 96: five row blocks on the interpreter, more
 # than its four backward programs, so a program's loop runs twice and adds to its weight-gradient sum. LLaMA's shape
@@ -160,8 +163,9 @@ def check_against_reference(lead, hidden, dtype, layout, eps=1e-5, weight_dtype=
     errors = {}
     for name, ours, torchs, ref in checks:
         ours_err, torch_err = rel_error(ours, ref), rel_error(torchs, ref)
-        factor = ERROR_FACTOR if ours.numel() >= 64 else SMALL_TENSOR_FACTOR
-        limit = factor * torch_err + ERROR_FLOOR[ours.dtype]
+        limit = ERROR_FACTOR * torch_err + ERROR_FLOOR[ours.dtype]
+        if ours.numel() < SMALL_TENSOR_NUMEL:
+            limit += torch.finfo(ours.dtype).eps
         errors[name] = ours_err
         assert ours_err <= limit, (f"{name}: relative error {ours_err:.3e} > limit {limit:.3e} "
                                    f"(PyTorch same dtype: {torch_err:.3e}; seed {seed})")
@@ -224,10 +228,13 @@ def test_gemma_mode_keeps_x_dtype_with_an_fp32_weight():
 def test_bf16_bits_of_each_casting_mode(casting_mode):
     # The error rule cannot tell where the roundings happen (computing everything in fp32 would pass it in every
     # mode), so compare bits: each mode gives its model code's bf16 outputs except for rare last-bit flips (rsqrt's
-    # last bit, the order of the fp32 sum), and differs from the other modes' in many more.
+    # last bit, the order of the fp32 sum), and differs from the other modes' in many more. How many more depends on
+    # each row: "none" rounds the row's rstd to bf16, and a row whose rstd lies near a bf16 value gives nearly llama's
+    # outputs; over 16 rows, 5 % to 41 % differ. 256 rows average the rows out, so that every fraction stays far from
+    # both thresholds (20 % or more differ from another mode's, at most 0.01 % from the same mode's).
     fresh_seed()
     offset = 1.0 if casting_mode == "gemma" else 0.0
-    x = torch.randn(16, 1024, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(256, 1024, device=DEVICE, dtype=torch.bfloat16)
     weight = (1.0 - offset + 0.5 * torch.randn(1024, device=DEVICE)).to(torch.bfloat16)
     y = rms_norm(x, weight, 1e-5, offset, casting_mode)
     for mode in rmsnorm_kernel.CASTING_MODES:
@@ -563,8 +570,8 @@ def test_replace_rmsnorm_in_a_llama_model():
 
 
 def test_kernel_script_prints_one_line_and_help(capsys):
-    # 16 rows: with 3 the weight gradient sums too few bf16 products, and its error against PyTorch's is a coin toss
-    # (about 1 run in 100 past the 1.5x rule; with 16 the worst of 120 runs is at 0.71 of it)
+    # dw has 40 numbers, so the script's rule adds bf16's eps to PyTorch's error times 1.5 (PyTorch's error alone can
+    # be small by chance, see SMALL_TENSOR_NUMEL): ours stays under 0.36 of that limit in 500,000 draws.
     assert rmsnorm_kernel.main(["--rows", "16", "--hidden", "40", "--dtype", "bf16"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("rms_norm 16x40 bf16") and lines[0].endswith(": OK"), lines
