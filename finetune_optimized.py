@@ -1302,7 +1302,7 @@ def fine_tune(args, tried=(), write=True):
     model_with_loss = ModelWithLoss(model, loss_impl, args.lce_chunk_size)
     # --- memory: the fastest plan that fits (--memory-plan auto) or the flags as given, and its levers ---------------
     model_bytes = measure_model_bytes(model, lambda model, input_ids: compute_loss(
-        model, input_ids, shift_labels_of(input_ids), loss_impl, args.lce_chunk_size),
+        model, input_ids, shift_labels_of(input_ids), loss_impl, lce_chunk_size=args.lce_chunk_size),
         functools.partial(patch_kernels, args), on_gpu=HAS_CUDA and args.memory_plan == "auto" and not args.cuda_graph)
     # pinned offloads may take 90 % of what the kernel reports available; the rest is the process's own and the system's
     plan = plan_memory(args, model_bytes, int(PINNED_HOST_FRACTION * host_memory_available()), device, tried)
