@@ -348,7 +348,8 @@ def test_default_json_names_tell_runs_apart(monkeypatch):
 # only what is ours (our machinery exists once, in finetune_optimized.py).
 SHARED = ["run_info", "first_line", "builtin_config", "load_model", "data_rows", "load_tokenizer", "load_token_stream",
           "make_batches", "load_data", "shift_labels_of", "default_out_path", "evaluate", "checkpoints", "resume",
-          "save_final", "write_results", "seq_len_search"]
+          "save_final", "write_results", "seq_len_search", "check_lora_flags", "lora_settings", "describe_lora",
+          "quantize_to_nf4", "apply_lora", "trainable_parameters", "lora_report", "dequantize_nf4"]
 
 
 def test_stock_parts_are_parallel_text():
