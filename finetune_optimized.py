@@ -234,10 +234,10 @@ def parse_args(argv=None):
         parser.error(f"--compile-mode goes with --compile, on a GPU (the CPU's {COMPILE_BACKEND} has no modes)")
     if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
         parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
-    check_fp8_flags(parser, args)
     if args.fp8 and args.lora is not None:
         parser.error("--fp8 cannot be combined with --lora or --qlora: torchao's float8 Linear would take the adapters' "
                      "Linears too; LoRA trains on the bf16 (or, with --qlora, NF4) base")
+    check_fp8_flags(parser, args)
     if args.plot and not (args.out or "").endswith(".png"):
         parser.error("--plot writes a PNG: give its path with --out FILE.png")
     check_memory_flags(parser, args)
