@@ -316,3 +316,23 @@ def test_qlora_base_is_nf4_and_ours_gives_the_baseline_losses(tmp_path):
     assert "base in NF4" in stdout and ours["lora"]["base_format"] == "nf4"
     assert baseline["losses"][0] - baseline["losses"][-1] > 0.1
     assert ours["losses"] == pytest.approx(baseline["losses"], rel=2e-5)
+
+
+@pytest.mark.parametrize("other", [["--model", "tiny-mistral"], ["--lora", "8"], []],
+                         ids=["another-base", "another-rank", "full-fine-tune"])
+def test_resume_refuses_adapters_of_another_run_in_one_line(lora_runs, other, tmp_path):
+    from test_bad_inputs import run_failing
+    runs, flags = lora_runs
+    folder = runs["finetune_baseline.py"][2]
+    flags = [flag for flag in flags if flag != "--merge"]
+    if other != ["--lora", "8"]:
+        index = flags.index("--lora")
+        flags = flags[:index] + flags[index + 2:] + (["--lora", "4"] if other else [])
+    out = tmp_path / "out.json"
+    stderr = run_failing([str(ROOT / "finetune_baseline.py"), "--model", "tiny", "--dtype", "fp32", *flags, *other,
+                          "--output-dir", str(folder), "--resume", "--out", str(out)], tmp_path,
+                         f"error: --resume: {folder / 'checkpoint-4'} holds LoRA adapters of rank 4 on all-linear of "
+                         f"tiny; this run trains ")
+    assert not out.exists()
+    assert ("tiny-mistral" in stderr) == ("--model" in other) and ("rank 8" in stderr) == ("8" in other)
+    assert ("a full fine-tune" in stderr) == (other == [])
