@@ -399,7 +399,7 @@ def quantize_to_nf4(model):
     codes in blocks of 64 values, each block's scale itself quantized to 8 bits: ~0.53 bytes a weight), frozen. The
     NF4Tensor dequantizes itself to the input's dtype inside F.linear, layer by layer, forward and backward, so peft's
     LoRA layer wraps the Linear as it wraps any other. The lm_head and the embedding stay as they are (the fused loss
-    reads the lm_head's weight). Returns how many weights it quantized."""
+    reads the lm_head's weight)."""
     from torchao.quantization import to_nf4
     linears = [module for module in model.model.layers.modules() if isinstance(module, torch.nn.Linear)]
     for linear in linears:
@@ -408,7 +408,6 @@ def quantize_to_nf4(model):
         # multiple of 256 (the tiny configs' only) takes the largest group size that divides its count
         linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), 64, math.gcd(256, blocks)),
                                            requires_grad=False)
-    return len(linears)
 
 
 def apply_lora(args, model):
