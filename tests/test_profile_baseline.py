@@ -1,9 +1,9 @@
 """Smoke tests of profile_baseline.py on the tiny LLaMA (CPU, Triton interpreter): it runs end to end with and without
 the kernel flags (and with --lora, the step of a LoRA fine-tune), writes exactly one loadable Chrome trace and a
-summary whose categories are filled in, prints none
-of the profiler's noise lines, and --compare prints a before/after table. The --tensorboard log is opened by the reader
-it is written for: TensorBoard with its PyTorch Profiler plugin (torch-tb-profiler), served on localhost and asked
-for the run's views, overview, operator table and trace, as the browser tab asks.
+summary whose categories are filled in, prints none of the profiler's noise lines, and --compare prints a before/after
+table. The --tensorboard log is opened by the reader it is written for: TensorBoard with its PyTorch Profiler plugin
+(torch-tb-profiler), served on localhost and asked for the run's views, overview, operator table and trace, as the
+browser tab asks.
 """
 import gzip
 import json
