@@ -335,8 +335,8 @@ def apply_lora(args, model):
                    if isinstance(module, torch.nn.Linear)}
         unknown = sorted(set(args.lora_targets) - linears)
         if unknown:
-            raise SystemExit(f"error: --lora-targets {' '.join(unknown)}: no such Linear in {model.config.model_type}'s "
-                             f"decoder layers; its Linears: {' '.join(sorted(linears))}")
+            raise SystemExit(f"error: --lora-targets {' '.join(unknown)}: no such Linear in "
+                             f"{model.config.model_type}'s decoder layers; its Linears: {' '.join(sorted(linears))}")
     if args.qlora:
         quantize_to_nf4(model)
     config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, lora_dropout=args.lora_dropout,
@@ -579,7 +579,8 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
         if rank == 0:
             torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if HAS_CUDA else [],
-                        "scheduler": schedulers[0].state_dict(), "lora": lora_settings(args)}, partial / "trainer_state.pt")
+                        "scheduler": schedulers[0].state_dict(), "lora": lora_settings(args)},
+                       partial / "trainer_state.pt")
             partial.rename(final)
             for old in checkpoints(args.output_dir)[:-args.save_total_limit]:
                 shutil.rmtree(old)
@@ -601,7 +602,8 @@ def resume(args, model, optimizers, schedulers, world_size):
                          f"{world_size}; resume with the same number of processes")
     if state.get("lora") != lora_settings(args):  # adapters fit only the base, rank and targets they were trained on
         raise SystemExit(f"error: --resume: {folder} holds {describe_lora(state.get('lora'))}; this run trains "
-                         f"{describe_lora(lora_settings(args))}: resume with the --model and --lora flags that wrote it")
+                         f"{describe_lora(lora_settings(args))}: resume with the --model and --lora flags that "
+                         f"wrote it")
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)  # the tensors to load into
     try:
         with warnings.catch_warnings():  # one process without a process group is the intended use here

@@ -235,8 +235,8 @@ def parse_args(argv=None):
     if args.lce_chunk_size is not None and (args.lce_chunk_size <= 0 or args.loss != "linear_ce"):
         parser.error("--lce-chunk-size must be positive and goes with --loss linear_ce")
     if args.fp8 and args.lora is not None:
-        parser.error("--fp8 cannot be combined with --lora or --qlora: torchao's float8 Linear would take the adapters' "
-                     "Linears too; LoRA trains on the bf16 (or, with --qlora, NF4) base")
+        parser.error("--fp8 cannot be combined with --lora or --qlora: torchao's float8 Linear would take the "
+                     "adapters' Linears too; LoRA trains on the bf16 (or, with --qlora, NF4) base")
     check_fp8_flags(parser, args)
     if args.plot and not (args.out or "").endswith(".png"):
         parser.error("--plot writes a PNG: give its path with --out FILE.png")
@@ -424,8 +424,8 @@ def apply_lora(args, model):
                    if isinstance(module, torch.nn.Linear)}
         unknown = sorted(set(args.lora_targets) - linears)
         if unknown:
-            raise SystemExit(f"error: --lora-targets {' '.join(unknown)}: no such Linear in {model.config.model_type}'s "
-                             f"decoder layers; its Linears: {' '.join(sorted(linears))}")
+            raise SystemExit(f"error: --lora-targets {' '.join(unknown)}: no such Linear in "
+                             f"{model.config.model_type}'s decoder layers; its Linears: {' '.join(sorted(linears))}")
     if args.qlora:
         quantize_to_nf4(model)
     config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, lora_dropout=args.lora_dropout,
@@ -774,7 +774,8 @@ def resume(args, model, optimizers, schedulers, world_size):
                          f"{world_size}; resume with the same number of processes")
     if state.get("lora") != lora_settings(args):  # adapters fit only the base, rank and targets they were trained on
         raise SystemExit(f"error: --resume: {folder} holds {describe_lora(state.get('lora'))}; this run trains "
-                         f"{describe_lora(lora_settings(args))}: resume with the --model and --lora flags that wrote it")
+                         f"{describe_lora(lora_settings(args))}: resume with the --model and --lora flags that "
+                         f"wrote it")
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)  # the tensors to load into
     try:
         with warnings.catch_warnings():  # one process without a process group is the intended use here

@@ -9,11 +9,12 @@
   stock fp32's own error, plus 1e-6 of the value's scale); the frozen weights get no gradient in either.
 - The scripts: ours with --lora gives the baseline's (stock peft) losses within rtol 2e-5, the reasoning of
   test_finetune.py's parity rule (fp32, kernels that differ from eager only in summation order; a real defect moves
-  the loss by far more, and the test checks the loss really moves). The optimizer holds only the adapters; the
-  checkpoint holds only the adapters and their AdamW state; a resumed run continues with the uninterrupted run's
-  losses; DIR/final holds adapter_model.safetensors + adapter_config.json that PeftModel.from_pretrained loads onto
-  the same base and that gives the run's last held-out loss; DIR/final-merged (--merge) is a plain model whose
-  weights are base + (alpha / R) B A and whose logits are the adapted model's.
+  the loss by far more, and the test checks the loss really moves). A checkpoint holds the adapters and their AdamW
+  state, nothing else; a resumed run continues with the uninterrupted run's losses, and --resume refuses adapters of
+  another base, rank or a full fine-tune in one line; DIR/final holds adapter_model.safetensors and
+  adapter_config.json, which PeftModel.from_pretrained loads onto the same base and which give the run's last
+  held-out loss; DIR/final-merged (--merge) is a plain model whose weights are base + (alpha / R) B A and whose logits
+  are the adapted model's.
 - --qlora: every decoder Linear's weight is torchao's NF4Tensor (about a quarter of the bf16 bytes), ours gives the
   baseline's losses, and training moves the loss.
 """
@@ -213,19 +214,21 @@ def test_ours_gives_stock_peft_losses(lora_runs):
 
 def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(lora_runs):
     from torch.distributed.checkpoint import FileSystemReader
-    folder = lora_runs[0]["finetune_optimized.py"][2] / "checkpoint-4"
-    keys = list(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
-    model_keys = [key for key in keys if key.startswith("model.")]
-    optimizer_keys = [key for key in keys if key.startswith("optimizer.state.")]
-    assert model_keys and all(".lora_A." in key or ".lora_B." in key for key in model_keys)
-    # AdamW's exp_avg and exp_avg_sq (and step) of each adapter, nothing of the frozen base
-    assert optimizer_keys and all(".lora_A." in key or ".lora_B." in key for key in optimizer_keys)
-    assert {key.rsplit(".", 1)[0] for key in optimizer_keys} >= {f"optimizer.state.{key[len('model.'):]}"
-                                                                 for key in model_keys} | set()
+    for script in ("finetune_baseline.py", "finetune_optimized.py"):
+        folder = lora_runs[0][script][2] / "checkpoint-4"
+        keys = list(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+        model_keys = [key for key in keys if key.startswith("model.")]
+        # A and B of the 7 Linears of each of the 2 layers, nothing of the frozen base
+        assert len(model_keys) == 2 * 7 * 2 and all(".lora_A." in key or ".lora_B." in key for key in model_keys)
+        # AdamW's step and moments of each adapter, keyed by the parameter's name, and no one else's
+        assert {key for key in keys if key.startswith("optimizer.state.")} == {
+            f"optimizer.state.{key[len('model.'):]}.{name}" for key in model_keys
+            for name in ("step", "exp_avg", "exp_avg_sq")}
 
 
-@pytest.mark.parametrize("script", ["finetune_baseline.py", "finetune_optimized.py"])
-def test_resumed_lora_run_continues_with_the_same_losses(lora_runs, script, tmp_path):
+def test_resumed_lora_run_continues_with_the_same_losses(lora_runs, tmp_path):
+    """Ours (its resume is the baseline's code, its checkpoints written in the background)."""
+    script = "finetune_optimized.py"
     runs, flags = lora_runs
     uninterrupted, _, folder = runs[script]
     resumed_dir = tmp_path / "resumed"
@@ -318,21 +321,29 @@ def test_qlora_base_is_nf4_and_ours_gives_the_baseline_losses(tmp_path):
     assert ours["losses"] == pytest.approx(baseline["losses"], rel=2e-5)
 
 
-@pytest.mark.parametrize("other", [["--model", "tiny-mistral"], ["--lora", "8"], []],
-                         ids=["another-base", "another-rank", "full-fine-tune"])
-def test_resume_refuses_adapters_of_another_run_in_one_line(lora_runs, other, tmp_path):
+@pytest.mark.parametrize("other, this_run", [
+    (["--model", "tiny-mistral"], "LoRA adapters of rank 4 on all-linear of tiny-mistral"),
+    (["--lora", "8"], "LoRA adapters of rank 8 on all-linear of tiny"),
+    (["--no-lora"], "a full fine-tune (no LoRA)"),
+], ids=["another-base", "another-rank", "full-fine-tune"])
+def test_resume_refuses_adapters_of_another_run_in_one_line(lora_runs, other, this_run, tmp_path):
+    """The check runs before anything of the checkpoint is loaded: in the process for each case, and once as a user
+    runs the script (one line, no traceback, nothing written)."""
+    import finetune_baseline
     from test_bad_inputs import run_failing
     runs, flags = lora_runs
     folder = runs["finetune_baseline.py"][2]
     flags = [flag for flag in flags if flag != "--merge"]
-    if other != ["--lora", "8"]:
+    if other == ["--no-lora"]:
         index = flags.index("--lora")
-        flags = flags[:index] + flags[index + 2:] + (["--lora", "4"] if other else [])
-    out = tmp_path / "out.json"
-    stderr = run_failing([str(ROOT / "finetune_baseline.py"), "--model", "tiny", "--dtype", "fp32", *flags, *other,
-                          "--output-dir", str(folder), "--resume", "--out", str(out)], tmp_path,
-                         f"error: --resume: {folder / 'checkpoint-4'} holds LoRA adapters of rank 4 on all-linear of "
-                         f"tiny; this run trains ")
-    assert not out.exists()
-    assert ("tiny-mistral" in stderr) == ("--model" in other) and ("rank 8" in stderr) == ("8" in other)
-    assert ("a full fine-tune" in stderr) == (other == [])
+        flags, other = flags[:index] + flags[index + 2:], []
+    flags = ["--model", "tiny", *flags, *other, "--output-dir", str(folder), "--resume"]
+    expected = (f"error: --resume: {folder / 'checkpoint-4'} holds LoRA adapters of rank 4 on all-linear of tiny; "
+                f"this run trains {this_run}:")
+    with pytest.raises(SystemExit) as refused:
+        finetune_baseline.resume(finetune_baseline.parse_args(flags), None, None, None, 1)
+    assert str(refused.value).startswith(expected)
+    if "--model" in other:
+        out = tmp_path / "out.json"
+        run_failing([str(ROOT / "finetune_baseline.py"), *flags, "--out", str(out)], tmp_path, expected)
+        assert not out.exists()
