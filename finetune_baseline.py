@@ -8,6 +8,7 @@ summary plus a JSON file. finetune_optimized.py is this script plus what is ours
     python finetune_baseline.py --liger --seq-len 8192 --activation-checkpointing full   # the peer: Liger-Kernel
     python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
+    python finetune_baseline.py --lora 16 [--qlora] --output-dir runs/lora --merge   # peft's LoRA on the frozen base
     torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp  # or accelerate launch --multi_gpu ...
 """
 import argparse

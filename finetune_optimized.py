@@ -20,13 +20,15 @@ The playbook's step 11, second half: finetune_baseline.py (the stock reference) 
      checkpoint reuses (the baseline writes them the stock way, waiting for the disk);
   6. --fp8 RECIPE: every Linear of the decoder layers trains in float8 (torchao's recipes, a GPU of compute
      capability 8.9+), each layer compiled so the casts fuse; the lm_head stays in the fused loss (float8_training.py).
-Everything else -- model, data, loop, resume, evaluation, JSON -- is the baseline's, line for line. README.md tells
-which models and data it takes (without cached weights: the same architecture with RANDOM weights, said so).
+Everything else -- model, data, LoRA (peft), loop, resume, evaluation, JSON -- is the baseline's, line for line.
+README.md tells which models and data it takes (without cached weights: the same architecture with RANDOM weights,
+said so). Under --lora the kernels run on the peft-wrapped model and spend nothing on a frozen weight's gradient.
 
     python finetune_optimized.py                                # 20 steps at 1x512 (without a GPU: tiny LLaMA, 1x32)
     python finetune_optimized.py --seq-len 8192                 # the plan picks what fits the GPU
     python finetune_optimized.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
     python finetune_optimized.py --seq-len-search 65536,131072,262144   # longest batch-1 sequence, a plan per length
+    python finetune_optimized.py --lora 16 [--qlora] --output-dir runs/lora --merge   # peft's LoRA, our kernels
     torchrun --standalone --nproc-per-node 2 finetune_optimized.py --fsdp  # or accelerate launch --multi_gpu ...
 """
 import argparse
