@@ -38,7 +38,8 @@ from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import apply_rmsnorm, rms_norm  # noqa: E402
 from rope_kernel import apply_rope  # noqa: E402
 from swiglu_kernel import apply_glu_mlp  # noqa: E402
-from test_families import FAMILIES, build, gradients, our_loss, restore_rope, stock_loss  # noqa: E402,F401
+# restore_rope: the fixture that puts each family's RoPE function back after our patch
+from test_families import FAMILIES, build, our_loss, restore_rope, stock_loss  # noqa: E402,F401
 from transformers import AutoConfig  # noqa: E402
 
 peft = pytest.importorskip("peft")
@@ -120,8 +121,9 @@ def with_random_adapters(model, seed):
     return model
 
 
+@pytest.mark.usefixtures("restore_rope")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_family_matches_stock_peft(family, restore_rope, monkeypatch):
+def test_lora_family_matches_stock_peft(family, monkeypatch):
     folder = FAMILIES[family][0]
     torch.manual_seed(1)
     config = AutoConfig.from_pretrained(ROOT / "configs" / folder)
