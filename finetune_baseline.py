@@ -9,6 +9,7 @@ summary plus a JSON file. finetune_optimized.py is this script plus what is ours
     python finetune_baseline.py --data corpus.txt --output-dir runs/ft --save-steps 200 --eval-split 0.05 [--resume]
     python finetune_baseline.py --data chat.jsonl --seq-len 8192   # conversations: the answers the targets, packed
     python finetune_baseline.py --seq-len-search 4096,8192,12288,16384   # longest batch-1 sequence that trains
+    python finetune_baseline.py --lora 16 [--qlora] --output-dir runs/lora --merge   # peft's LoRA on the frozen base
     torchrun --standalone --nproc-per-node 2 finetune_baseline.py --fsdp  # or accelerate launch --multi_gpu ...
 """
 import argparse
@@ -58,8 +59,10 @@ COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager"
 # transformers' names of the schedules: "constant" holds the rate after the warm-up, the others decay it to 0.
 LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 # Checkpoints store the optimizer state keyed by parameter name, one flat entry per tensor: the same layout for one
-# AdamW over all parameters and for one AdamW per parameter, and resharded on load under FSDP2.
-FLAT_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
+# AdamW over all parameters and for one AdamW per parameter, and resharded on load under FSDP2. They hold the trained
+# parameters only: under LoRA the adapters and their optimizer state, not the frozen base, which --model gives back.
+# Loading is not strict about the frozen ones the checkpoint leaves out; dcp.load refuses one that lacks a trained one.
+FLAT_STATE = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 def build_parser():
@@ -118,6 +121,17 @@ def build_parser():
     add("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
     add("--tensorboard", default=None, metavar="DIR", help="also log the scalars for TensorBoard here")
     add("--out", default=None, help="results JSON (default: in --output-dir, else runs/<the run's options>.json)")
+    # -- LoRA and QLoRA (peft) -------------------------------------------------------------------------------------
+    add("--lora", type=int, default=None, metavar="R", help="train peft's LoRA adapters of rank R on --lora-targets "
+        "instead of every weight; the base model stays frozen")
+    add("--lora-alpha", type=float, default=None, help="the adapters' output is scaled by alpha / R (default: 2 x R)")
+    add("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    add("--lora-targets", nargs="+", default=None, metavar="NAME", help="the Linears of the decoder layers that get "
+        "adapters, by name (q_proj v_proj ...); default: every one (peft's all-linear; not the lm_head)")
+    add("--qlora", action="store_true", help="with --lora: the base's decoder Linears in 4-bit NF4 (torchao), "
+        "dequantized layer by layer for their matmuls")
+    add("--merge", action="store_true", help="with --lora: also write the base with the adapters merged into it, "
+        "DIR/final-merged")
     # -- measurements ----------------------------------------------------------------------------------------------
     add("--seq-len-search", default=None, metavar="L1,L2,...", help="instead of training: one batch-1 step per "
         "length, after a warm-up step; the longest that trains")
@@ -160,6 +174,7 @@ def parse_args(argv=None):
         parser.error(f"--compile-mode goes with --compile, on a GPU (the CPU's {COMPILE_BACKEND} has no modes)")
     if args.liger and args.compile:
         parser.error("--liger and --compile are two peers to compare against: pick one")
+    check_lora_flags(parser, args)
     if args.seq_len_search:  # "4096,8192,...": increasing lengths; a part that is no number reads as 0, refused
         args.seq_len_search = [int(x) if x.strip().isdigit() else 0 for x in args.seq_len_search.split(",")]
         if args.seq_len_search != sorted(set(args.seq_len_search)) or args.seq_len_search[0] < 2:
@@ -273,6 +288,109 @@ def load_model(args, device, dtype):
         raise SystemExit(f"error: --attn-implementation {attention} cannot apply {model.config.model_type}'s "
                          f"attention logit softcapping ({softcap}); use {' or '.join(SOFTCAP_ATTENTION)}")
     return model, weights
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LoRA and QLoRA: peft's adapters on the frozen base (QLoRA: the base's decoder Linears in 4-bit NF4)
+
+def check_lora_flags(parser, args):
+    """The LoRA flags' rules (parse_args calls this): a usage error before anything is loaded."""
+    lora_only = {"lora_alpha": None, "lora_dropout": 0.0, "lora_targets": None, "qlora": False, "merge": False}
+    if args.lora is None:
+        given = [name for name, default in lora_only.items() if getattr(args, name) != default]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} goes with --lora R (the rank of the adapters to train)")
+        return
+    if args.lora <= 0:
+        parser.error(f"--lora takes the adapters' rank, a positive integer, got {args.lora}")
+    if not 0 <= args.lora_dropout < 1:
+        parser.error(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.lora_alpha is not None and not 0 < args.lora_alpha < math.inf:
+        parser.error(f"--lora-alpha must be a positive finite number, got {args.lora_alpha}")
+    if args.merge and (not args.output_dir or args.fsdp):
+        parser.error("--merge writes DIR/final-merged: it needs --output-dir, and one process (not --fsdp)")
+    if args.qlora and args.fsdp:
+        parser.error("--qlora cannot be combined with --fsdp: the 4-bit base is not sharded here; --lora alone shards")
+
+
+def lora_settings(args):
+    """What makes adapters fit a run (None without --lora): the base model, the rank, the targets, the base's format.
+    A checkpoint records it and --resume compares it."""
+    if args.lora is None:
+        return None
+    return {"base_model": args.model, "r": args.lora, "targets": " ".join(args.lora_targets or ["all-linear"]),
+            "base_format": "nf4" if args.qlora else "dense"}
+
+
+def describe_lora(settings):
+    """lora_settings in words, for --resume's error."""
+    if settings is None:
+        return "a full fine-tune (no LoRA)"
+    return (f"LoRA adapters of rank {settings['r']} on {settings['targets']} of {settings['base_model']}"
+            + " (NF4 base, --qlora)" * (settings["base_format"] == "nf4"))
+
+
+def quantize_to_nf4(model):
+    """QLoRA's base: the weight of every Linear in the decoder layers becomes torchao's NF4Tensor (4-bit NormalFloat
+    codes in blocks of 64 values, each block's scale itself quantized to 8 bits: ~0.53 bytes a weight), frozen. The
+    NF4Tensor dequantizes itself to the input's dtype inside F.linear, layer by layer, forward and backward, so peft's
+    LoRA layer wraps the Linear as it wraps any other. The lm_head and the embedding stay as they are (the fused loss
+    reads the lm_head's weight)."""
+    from torchao.quantization import to_nf4
+    linears = [module for module in model.model.layers.modules() if isinstance(module, torch.nn.Linear)]
+    for linear in linears:
+        blocks = linear.weight.numel() // 64
+        # torchao quantizes the blocks' scales in groups of 256 (QLoRA's size); a weight of fewer blocks than a
+        # multiple of 256 (the tiny configs' only) takes the largest group size that divides its count
+        linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), 64, math.gcd(256, blocks)),
+                                           requires_grad=False)
+
+
+def apply_lora(args, model):
+    """peft's LoRA on the model, in place: every target Linear becomes a peft LoraLayer around it (adapters A [R, in],
+    B [out, R], B zero so training starts at the base model), and every other parameter is frozen (requires_grad
+    False: no gradient, no optimizer state). --qlora first stores the base's decoder Linears in NF4. Returns the
+    PeftModel, for saving the adapters and merging them; training calls the model itself, which is what peft's forward
+    calls for LoRA. None without --lora."""
+    if args.lora is None:
+        return None
+    from peft import LoraConfig, get_peft_model
+    if args.lora_targets:  # peft's own error for a missing target names no alternative: this one lists them
+        linears = {name.rsplit(".", 1)[-1] for name, module in model.model.layers.named_modules()
+                   if isinstance(module, torch.nn.Linear)}
+        unknown = sorted(set(args.lora_targets) - linears)
+        if unknown:
+            raise SystemExit(f"error: --lora-targets {' '.join(unknown)}: no such Linear in "
+                             f"{model.config.model_type}'s decoder layers; its Linears: {' '.join(sorted(linears))}")
+    if args.qlora:
+        quantize_to_nf4(model)
+    config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, lora_dropout=args.lora_dropout,
+                        target_modules=args.lora_targets or "all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model):
+    """The parameters the optimizer updates: all of them in a full fine-tune, the adapters' under LoRA."""
+    return [param for param in model.parameters() if param.requires_grad]
+
+
+def lora_report(args, model):
+    """The run's LoRA figures for the header and the JSON (None without --lora): its settings and how many of the
+    model's parameters train."""
+    if args.lora is None:
+        return None
+    total = sum(param.numel() for param in model.parameters())
+    trainable = sum(param.numel() for param in trainable_parameters(model))
+    return {**lora_settings(args), "alpha": args.lora_alpha or 2 * args.lora, "dropout": args.lora_dropout,
+            "trainable_params": trainable, "total_params": total}
+
+
+def dequantize_nf4(model):
+    """The NF4 weights of --qlora back in their original dtype (merging adds the adapters to dense weights)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(weight, "get_original_weight"):  # torchao's NF4Tensor
+            module.weight = torch.nn.Parameter(weight.get_original_weight(), requires_grad=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -820,7 +938,8 @@ def save_checkpoint(args, step, model, optimizers, schedulers, rank, world_size)
         if rank == 0:
             torch.save({"step": step, "world_size": world_size, "model": args.model, "rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if HAS_CUDA else [],
-                        "scheduler": schedulers[0].state_dict()}, partial / "trainer_state.pt")
+                        "scheduler": schedulers[0].state_dict(), "lora": lora_settings(args)},
+                       partial / "trainer_state.pt")
             partial.rename(final)
             for old in checkpoints(args.output_dir)[:-args.save_total_limit]:
                 shutil.rmtree(old)
@@ -840,6 +959,10 @@ def resume(args, model, optimizers, schedulers, world_size):
     if state["world_size"] != world_size:
         raise SystemExit(f"error: --resume: {folder} was written by {state['world_size']} ranks, this run has "
                          f"{world_size}; resume with the same number of processes")
+    if state.get("lora") != lora_settings(args):  # adapters fit only the base, rank and targets they were trained on
+        raise SystemExit(f"error: --resume: {folder} holds {describe_lora(state.get('lora'))}; this run trains "
+                         f"{describe_lora(lora_settings(args))}: resume with the --model and --lora flags that "
+                         f"wrote it")
     model_state, optimizer_state = get_state_dict(model, optimizers, options=FLAT_STATE)  # the tensors to load into
     try:
         with warnings.catch_warnings():  # one process without a process group is the intended use here
@@ -858,16 +981,26 @@ def resume(args, model, optimizers, schedulers, world_size):
     return state["step"]
 
 
-def save_final(args, model, tokenizer, rank):
-    """DIR/final: the model as safetensors (save_pretrained) and its tokenizer where one was loaded. Under FSDP2 the
-    shards are gathered to rank 0 first."""
-    folder = Path(args.output_dir) / "final"
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=args.fsdp))
+def save_final(args, model, lora_model, tokenizer, rank):
+    """DIR/final: the model as safetensors (save_pretrained) and its tokenizer where one was loaded; under LoRA the
+    adapters alone (adapter_model.safetensors and adapter_config.json, which PeftModel.from_pretrained(base,
+    DIR/final) loads), and with --merge also DIR/final-merged: the base with the adapters added into its weights, a
+    plain model. Under FSDP2 the shards are gathered to rank 0 first."""
+    folder, saved = Path(args.output_dir) / "final", lora_model or model
+    state = get_model_state_dict(saved, options=StateDictOptions(full_state_dict=True, cpu_offload=args.fsdp,
+                                                                  ignore_frozen_params=lora_model is not None))
     if rank == 0:
-        model.save_pretrained(folder, state_dict=state)
+        saved.save_pretrained(folder, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        print(f"model: {folder}")
+        print(f"{'adapters' if lora_model else 'model'}: {folder}")
+    if args.merge:  # one process (parse_args refuses --merge with --fsdp); the run is over: merging in place is fine
+        dequantize_nf4(model)
+        merged_folder = folder.with_name("final-merged")
+        lora_model.merge_and_unload().save_pretrained(merged_folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(merged_folder)
+        print(f"merged model: {merged_folder}")
     return str(folder)
 
 
@@ -1063,6 +1196,7 @@ def fine_tune(argv=None):
     model.config.use_cache = False  # training: no KV cache
     model.train()
     config = model.config
+    lora_model = apply_lora(args, model)  # the PeftModel around model, or None
 
     # --- what this script changes about the model: nothing, or the peer's kernels ------------------------------------
     replaced, variant, loss_impl = {}, "compile" if args.compile else "baseline", "eager"
@@ -1082,7 +1216,7 @@ def fine_tune(argv=None):
     step_module = (torch.compile(model_with_loss, backend=COMPILE_BACKEND, mode=args.compile_mode) if args.compile
                    else model_with_loss)
     # After fully_shard: the optimizer holds the sharded parameters (each rank updates its own shard).
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.optimizer == "adamw_foreach",
+    optimizers = [torch.optim.AdamW(trainable_parameters(model), lr=args.lr, foreach=args.optimizer == "adamw_foreach",
                                     fused=args.optimizer == "adamw_fused")]
     schedulers = [get_scheduler(LR_SCHEDULERS[args.lr_scheduler], optimizer, args.warmup_steps, args.steps)
                   for optimizer in optimizers]
@@ -1121,6 +1255,11 @@ def fine_tune(argv=None):
     print(f"model: {args.model} ({weights} weights), {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"vocab {config.vocab_size}, {str(dtype).replace('torch.', '')}, attn {args.attn_implementation} "
           f"({attention_reason})")
+    if lora_model is not None:
+        lora = lora_report(args, model)
+        print(f"LoRA: rank {args.lora}, alpha {lora['alpha']:g}, dropout {args.lora_dropout:g} on {lora['targets']}"
+              f"{', base in NF4' if args.qlora else ''}: {lora['trainable_params']:,} of {lora['total_params']:,} "
+              f"parameters train")
     print(f"{Path(__file__).name}: variant {variant}, optimizer {args.optimizer}, lr {args.lr} ({args.lr_scheduler}), "
           f"data {args.data} ({data_kind}), checkpointing {args.activation_checkpointing}"
           + f", replaced {replaced}" * bool(replaced)
@@ -1131,6 +1270,7 @@ def fine_tune(argv=None):
     result = {**info, "script": Path(__file__).name, "model": args.model, "weights": weights,
               "dtype": str(dtype).replace("torch.", ""), "variant": variant, "loss_impl": loss_impl,
               "replaced": replaced, "world_size": world_size, "options": vars(args),
+              "lora": lora_report(args, model),
               "compile_backend": COMPILE_BACKEND if args.compile else None}
     out_path = Path(args.out) if args.out else default_out_path(args, weights, result["dtype"], variant, world_size)
     if args.seq_len_search:
@@ -1141,7 +1281,7 @@ def fine_tune(argv=None):
         result.update(train(args, train_step, model_with_loss, optimizers, schedulers, batches, start_step, variant,
                             rank, world_size))
         if args.output_dir:
-            result["final_model"] = save_final(args, model, tokenizer, rank)
+            result["final_model"] = save_final(args, model, lora_model, tokenizer, rank)
     write_results(result, out_path, rank)
     if args.fsdp:
         end_distributed_run()

@@ -17,6 +17,7 @@ http://localhost:6006 and pick PYTORCH_PROFILER. `--compare A.json B.json` print
 
     python profile_baseline.py                                     # baseline
     python profile_baseline.py --use-custom-rmsnorm --use-linear-ce --use-swiglu --use-rope
+    python profile_baseline.py --lora 16 [--use-...]                # the step of a LoRA fine-tune (peft)
     python profile_baseline.py --compare results/a.json results/b.json
 
 Without a GPU the default model is a tiny LLaMA of the same structure, and the Triton kernels run on the CPU
@@ -99,6 +100,9 @@ def parse_args(argv=None):
     parser.add_argument("--use-swiglu", action="store_true", help="replace every LlamaMLP (swiglu_kernel)")
     parser.add_argument("--use-rope", action="store_true",
                         help="patch LLaMA's apply_rotary_pos_emb with the fused RoPE kernel (rope_kernel)")
+    parser.add_argument("--lora", type=int, default=None, metavar="R",
+                        help="peft's LoRA adapters of rank R (alpha 2R) on every Linear of the decoder layers, the "
+                             "rest frozen, as the fine-tune scripts' --lora R: the step of a LoRA fine-tune")
     parser.add_argument("--row-limit", type=int, default=20, help="rows of the top-N table")
     parser.add_argument("--tensorboard", action="store_true",
                         help="write the trace with tensorboard_trace_handler into traces/tensorboard/<run>/ instead, "
@@ -108,8 +112,8 @@ def parse_args(argv=None):
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
                         help="print a before/after table of two JSON summaries and exit")
     args = parser.parse_args(argv)
-    for name in ("batch_size", "seq_len", "row_limit"):
-        if getattr(args, name) <= 0:
+    for name in ("batch_size", "seq_len", "row_limit", "lora"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.seq_len < 2:  # position t learns to predict token t+1: a single token leaves nothing to predict
         parser.error("--seq-len must be at least 2: the loss predicts each next token, so 1 token has none")
@@ -432,6 +436,10 @@ def main(argv=None):
     model.train()
     config = model.config
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
+    if args.lora:  # before the kernels, as in the fine-tune scripts: they run on the peft-wrapped model
+        from peft import LoraConfig, get_peft_model
+        get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
+                                         task_type="CAUSAL_LM"))
 
     # --- kernel replacements: each kernel module's entry point checks the count for the model's family (65 RMSNorms
     # for 8B: two per decoder layer plus the final norm; one MLP and one attention per layer), so a flag that replaces
@@ -450,6 +458,7 @@ def main(argv=None):
                                                (args.use_linear_ce, "linear_ce"), (args.use_swiglu, "swiglu"),
                                                (args.use_rope, "rope")]
                        if flag) or "baseline"
+    variant += f"+lora{args.lora}" if args.lora else ""
 
     # --- named ranges for the category summary: one per RMSNorm / MLP module call ----------------------------------
     def enter_range(module, inputs):
@@ -464,7 +473,9 @@ def main(argv=None):
             module.register_forward_pre_hook(enter_range)
             module.register_forward_hook(exit_range)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.optimizer == "adamw_foreach",
+    # the trained parameters: all of them, or the adapters under --lora
+    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=args.lr,
+                                  foreach=args.optimizer == "adamw_foreach",
                                   fused=args.optimizer == "adamw_fused")
 
     # Synthetic tokens like the playbook; labels = input_ids, shifted the way transformers does it (no logits slice).

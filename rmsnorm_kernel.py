@@ -187,7 +187,7 @@ def _rmsnorm_backward_kernel(
     dx_ptr,          # output rows [n_rows, n_cols], in x's dtype. In place it is dy_ptr itself: safe, because each
                      # row block is loaded whole before its dx is stored, and no other program touches those rows
     dw_partial_ptr,  # output [number of programs, n_cols] fp32: one row of partial weight-gradient sums per program
-                     # (None without a weight)
+                     # (None without a weight, or when its gradient is not wanted)
     dy_row_stride,   # each tensor has its own row stride: the upstream gradient need not be laid out like x
     x_row_stride,
     dx_row_stride,
@@ -199,6 +199,7 @@ def _rmsnorm_backward_kernel(
     CASTING_MODE: tl.constexpr,  # the forward's options
     OFFSET: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    WANT_DW: tl.constexpr,  # False for a frozen weight (LoRA): dx still needs the weight, its gradient is not summed
 ):
     # Program p handles row blocks p, p + P, p + 2P, ... (P programs in the grid).
     program = tl.program_id(0)
@@ -212,7 +213,8 @@ def _rmsnorm_backward_kernel(
             weight += OFFSET
             if CASTING_MODE == "none":
                 weight = _rounded(weight, weight_ptr.dtype.element_ty)
-        dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+        if WANT_DW:
+            dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
 
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     # tl.range is range() with pipelining hints: num_stages lets the compiler start loading the next row blocks while
@@ -231,10 +233,11 @@ def _rmsnorm_backward_kernel(
         if HAS_WEIGHT:
             # dw sums dy times what the forward multiplied the weight by: the ROUNDED normalized values, except in
             # Gemma's order, which keeps them in fp32.
-            if CASTING_MODE == "gemma":
-                dw_acc += dy * normed
-            else:
-                dw_acc += dy * _rounded(normed, x_ptr.dtype.element_ty)
+            if WANT_DW:
+                if CASTING_MODE == "gemma":
+                    dw_acc += dy * normed
+                else:
+                    dw_acc += dy * _rounded(normed, x_ptr.dtype.element_ty)
             dnormed = dy * weight[None, :]
         else:
             dnormed = dy
@@ -245,7 +248,7 @@ def _rmsnorm_backward_kernel(
         tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], _round_to(dx, dx_ptr.dtype.element_ty),
                  mask=mask)
 
-    if HAS_WEIGHT:
+    if HAS_WEIGHT and WANT_DW:
         # One row of fp32 partial sums per program; the launcher adds the rows.
         dw_partial = tl.sum(dw_acc, axis=0)
         tl.store(dw_partial_ptr + program.to(tl.int64) * n_cols + cols, dw_partial, mask=col_mask)
@@ -391,9 +394,10 @@ def rmsnorm_forward(x, weight, eps, offset=0.0, casting_mode="llama"):
     return y, rstd
 
 
-def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_place=False):
-    """Launch the backward kernel. Returns (dx, dw); dw is None when weight is None. in_place=True writes dx into dy
-    when dy is laid out like x and of x's dtype (dx is then dy), else into a new buffer laid out like x."""
+def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_place=False, want_dw=True):
+    """Launch the backward kernel. Returns (dx, dw); dw is None when weight is None or want_dw is False (a frozen
+    weight: its gradient is not summed at all). in_place=True writes dx into dy when dy is laid out like x and of x's
+    dtype (dx is then dy), else into a new buffer laid out like x."""
     if dy.shape != x.shape:
         raise ValueError(f"rmsnorm_backward: dy of shape {tuple(dy.shape)} does not match x of shape {tuple(x.shape)}")
     _check_options("rmsnorm_backward", offset, casting_mode)
@@ -410,7 +414,7 @@ def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_p
     else:
         dx, dx_rows = _empty_rows(x, order, x.dtype)
     if dx.numel() == 0:
-        return dx, None if weight is None else torch.zeros_like(weight)
+        return dx, None if weight is None or not want_dw else torch.zeros_like(weight)
     block_rows, block_cols, num_warps, num_stages = _backward_config(n_cols)
     n_row_blocks = triton.cdiv(n_rows, block_rows)
     if INTERPRETER:
@@ -420,18 +424,19 @@ def rmsnorm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama", in_p
         # more row of partial sums to write and add.
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
         n_programs = min(n_row_blocks, sm_count)
-    dw_partial = None if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    want_dw = weight is not None and want_dw
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if want_dw else None
     with _on_tensor_device(x):
         _rmsnorm_backward_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd, dx_rows, dw_partial,
             dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0),
             n_rows, n_cols,
             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, NUM_STAGES=num_stages,
-            CASTING_MODE=casting_mode, OFFSET=float(offset), HAS_WEIGHT=weight is not None,
+            CASTING_MODE=casting_mode, OFFSET=float(offset), HAS_WEIGHT=weight is not None, WANT_DW=want_dw,
             num_warps=num_warps,
         )
     # A [n_programs, H] fp32 sum: a few MB at most, and deterministic.
-    dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
+    dw = dw_partial.sum(dim=0).to(weight.dtype) if want_dw else None
     return dx, dw
 
 
@@ -454,7 +459,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rmsnorm_backward(dy, x, weight, rstd, *ctx.options)
+        dx, dw = rmsnorm_backward(dy, x, weight, rstd, *ctx.options, want_dw=ctx.needs_input_grad[1])
         return dx, dw, None, None, None, None
 
 
@@ -485,15 +490,17 @@ def _(x, weight, eps, offset=0.0, casting_mode="llama"):
 # An operator cannot return None (its schema has no optional outputs): without a weight, dw is an empty tensor.
 @torch.library.custom_op("playbook::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
-                          offset: float = 0.0, casting_mode: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
-    """rmsnorm_backward as an operator: (dx, dw), dw empty without a weight."""
-    dx, dw = rmsnorm_backward(dy, x, weight, rstd, offset, casting_mode)
+                          offset: float = 0.0, casting_mode: str = "llama",
+                          want_dw: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """rmsnorm_backward as an operator: (dx, dw), dw empty without a weight or when not wanted."""
+    dx, dw = rmsnorm_backward(dy, x, weight, rstd, offset, casting_mode, want_dw=want_dw)
     return dx, x.new_empty(0) if dw is None else dw
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, offset=0.0, casting_mode="llama"):
-    dw = x.new_empty(0) if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+def _(dy, x, weight, rstd, offset=0.0, casting_mode="llama", want_dw=True):
+    dw = (torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if weight is not None and want_dw
+          else x.new_empty(0))
     return _empty_rows(x, _row_order(x), x.dtype)[0], dw
 
 
@@ -507,8 +514,9 @@ def _rms_norm_setup_context(ctx, inputs, output):
 
 def _rms_norm_op_backward(ctx, dy, _):  # rstd, the second output, passes no gradient on
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.playbook.rms_norm_backward(dy, x, weight, rstd, *ctx.options)
-    return dx, None if weight is None else dw, None, None, None
+    want_dw = ctx.needs_input_grad[1]
+    dx, dw = torch.ops.playbook.rms_norm_backward(dy, x, weight, rstd, *ctx.options, want_dw)
+    return dx, dw if weight is not None and want_dw else None, None, None, None
 
 
 _rms_norm_op.register_autograd(_rms_norm_op_backward, setup_context=_rms_norm_setup_context)

@@ -7,7 +7,9 @@ by the tests: an empty .txt, a .jsonl without a "text" field, a Latin-1 (not UTF
 a file of an unknown type; --compare gets a missing file, a file that is not JSON, a trace instead of a summary, and
 a CPU summary against a GPU one. Bad options are refused before the run starts: a learning rate that is not a positive
 finite number, an attention implementation transformers does not have (or cannot use here), an output path that is a
-directory (a trace folder that is a file).
+directory (a trace folder that is a file), LoRA flags that make no adapters (--lora 0, a dropout of 1, --qlora or
+--merge without what they need, --qlora with --fsdp or --fp8). A --lora-targets name the model lacks is refused once
+the model is loaded, naming the Linears it has. (--resume with adapters of another base: test_lora.py.)
 """
 import importlib.util
 import json
@@ -70,6 +72,15 @@ FINETUNE_CASES = {
     "resume-without-checkpoint": (["--output-dir", "{data}", "--resume"], "--resume: no complete checkpoint in"),
     "save-without-output-dir": (["--save-steps", "2"], "--save-steps and --resume need --output-dir"),
     "eval-split-of-synthetic": (["--eval-split", "0.1"], "--eval-split takes a fraction between 0 and 1 of --data"),
+    "lora-0": (["--lora", "0"], "--lora takes the adapters' rank, a positive integer, got 0"),
+    "lora-dropout-1": (["--lora", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1.0"),
+    # a name peft would not find: the error lists the Linears the model has
+    "lora-unknown-target": (["--lora", "4", "--lora-targets", "q_proj", "query"],
+                            "error: --lora-targets query: no such Linear in llama's decoder layers; its Linears: "
+                            "down_proj gate_proj k_proj o_proj q_proj up_proj v_proj"),
+    "qlora-without-lora": (["--qlora"], "--qlora goes with --lora R"),
+    "merge-without-output-dir": (["--lora", "4", "--merge"], "--merge writes DIR/final-merged: it needs --output-dir"),
+    "qlora-fsdp": (["--lora", "4", "--qlora", "--fsdp"], "--qlora cannot be combined with --fsdp"),
 }
 # Code shared by both scripts (checked identical in test_finetune.py): these run on the baseline only.
 BASELINE_CASES = {
@@ -107,6 +118,10 @@ OPTIMIZED_CASES = {
                                     "error: --cuda-graph replays one step of one shape with no host work"),
     "compile-sdpa-of-packed": (["--data", "{data}/chat.jsonl", "--compile"],
                                "error: --compile with sdpa keeps the causal mask a flag"),
+}
+# Options of finetune_optimized.py alone.
+OPTIMIZED_CASES = {
+    "qlora-fp8": (["--lora", "4", "--qlora", "--fp8", "rowwise"], "--fp8 cannot be combined with --lora or --qlora"),
 }
 # Every data set is read through the datasets package.
 NEEDS_DATASETS = {"data-empty", "data-no-text-field", "data-not-utf8", "data-only-whitespace", "data-null-text",

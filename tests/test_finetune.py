@@ -355,7 +355,8 @@ SHARED = ["run_info", "first_line", "builtin_config", "load_model", "data_rows",
           "save_final", "write_results", "seq_len_search", "read_rows", "row_format", "missing_fields",
           "resolve_data_format", "packed_documents", "choose_attention", "chat_template_of", "render_chat",
           "encode_with_offsets", "check_messages", "conversation_tokens", "load_conversations", "pack_conversations",
-          "conversation_rows", "text_batch", "targets_per_rank", "token_share"]
+          "conversation_rows", "text_batch", "targets_per_rank", "token_share", "check_lora_flags", "lora_settings",
+          "describe_lora", "quantize_to_nf4", "apply_lora", "trainable_parameters", "lora_report", "dequantize_nf4"]
 
 
 def test_stock_parts_are_parallel_text():

@@ -1,8 +1,9 @@
 """Smoke tests of profile_baseline.py on the tiny LLaMA (CPU, Triton interpreter): it runs end to end with and without
-the kernel flags, writes exactly one loadable Chrome trace and a summary whose categories are filled in, prints none
-of the profiler's noise lines, and --compare prints a before/after table. The --tensorboard log is opened by the reader
-it is written for: TensorBoard with its PyTorch Profiler plugin (torch-tb-profiler), served on localhost and asked
-for the run's views, overview, operator table and trace, as the browser tab asks.
+the kernel flags (and with --lora, the step of a LoRA fine-tune), writes exactly one loadable Chrome trace and a
+summary whose categories are filled in, prints none of the profiler's noise lines, and --compare prints a before/after
+table. The --tensorboard log is opened by the reader it is written for: TensorBoard with its PyTorch Profiler plugin
+(torch-tb-profiler), served on localhost and asked for the run's views, overview, operator table and trace, as the
+browser tab asks.
 """
 import gzip
 import json
@@ -193,6 +194,19 @@ def ask_tensorboard(logdir, run):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_lora_step_with_the_kernels(tmp_path):
+    """--lora R profiles the step of a LoRA fine-tune: peft's adapters on every decoder Linear, our kernels around
+    them, AdamW over the adapters alone."""
+    out, _ = run_profile(tmp_path, "--lora", "4", "--use-custom-rmsnorm", "--use-linear-ce", "--use-swiglu",
+                         "--use-rope", "--summary-out", str(tmp_path / "lora.json"))
+    summary = json.loads((tmp_path / "lora.json").read_text())
+    assert summary["variant"] == "rmsnorm+linear_ce+swiglu+rope+lora4" and summary["options"]["lora"] == 4
+    assert summary["replaced"] == {"rmsnorm": 5, "swiglu_mlp": 2, "rope_attention": 2}
+    for cat in ("matmul", "RMSNorm", "SwiGLU", "loss", "optimizer"):
+        assert summary["categories"][cat]["ms"] > 0, cat
+    check_trace(summary["trace"])
 
 
 def test_bad_flags_fail():
