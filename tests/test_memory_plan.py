@@ -547,3 +547,13 @@ def test_lora_steps_cost_less_so_each_recompute_weighs_more(llama8b):
     lora = dataclasses.replace(llama8b, trainable_param_count=llama8b.param_count // 200)
     plan = MemoryPlan("full", 32)
     assert plan_module.plan_cost(plan, lora, 1, 8192) > 1.3 * plan_module.plan_cost(plan, llama8b, 1, 8192)
+
+
+def test_a_lora_run_plans_with_its_adapters_only(tmp_path):
+    """finetune_optimized.py --lora: the plan's optimizer state is the adapters' AdamW moments (fp32 in peft), not the
+    whole model's."""
+    result = run_planned(tmp_path, "--memory-budget-gib", "1", "--lora", "4")
+    trainable = result["lora"]["trainable_params"]
+    assert 0 < trainable < result["lora"]["total_params"] / 10
+    parts = result["memory_plan"]["estimated_parts_gib"]
+    assert parts["optimizer_state"] * 2**30 == pytest.approx(2 * 4 * trainable, rel=1e-6)
