@@ -278,6 +278,12 @@ def count_forward_peaks(config, dtype, patch_model=our_kernels, forward_loss=lin
         model.config.use_cache = False  # training: no KV cache
         model.train()
         causal_sdpa_without_mask(model)
+        # The fused RoPE replaces the family's apply_rotary_pos_emb in its modeling module, process-wide: the count
+        # puts back what was there, so it changes nothing outside itself (a run with --no-rope, a stock model).
+        for module in {sys.modules[type(submodule).__module__] for submodule in model.modules()}:
+            if hasattr(module, "apply_rotary_pos_emb"):
+                stack.enter_context(unittest.mock.patch.object(module, "apply_rotary_pos_emb",
+                                                               module.apply_rotary_pos_emb))
         patch_model(model)
         peaks = {}
         for tokens in PROBE_TOKENS:

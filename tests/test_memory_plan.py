@@ -557,3 +557,12 @@ def test_a_lora_run_plans_with_its_adapters_only(tmp_path):
     assert 0 < trainable < result["lora"]["total_params"] / 10
     parts = result["memory_plan"]["estimated_parts_gib"]
     assert parts["optimizer_state"] * 2**30 == pytest.approx(2 * 4 * trainable, rel=1e-6)
+
+
+def test_the_count_leaves_the_process_as_it_was():
+    """The fused RoPE patches the family's modeling module process-wide: after a count, transformers' own function is
+    back (a stock model run later in the process computes without our kernels)."""
+    from transformers.models.llama import modeling_llama
+    stock = modeling_llama.apply_rotary_pos_emb
+    plan_module.count_forward_peaks(AutoConfig.from_pretrained(ROOT / "configs" / "tiny"), torch.float32)
+    assert modeling_llama.apply_rotary_pos_emb is stock
