@@ -42,9 +42,10 @@ the optimizer step (all gradients at once, unless each parameter steps inside th
 The cost model
 --------------
 `plan_cost` prices each lever in seconds from FLOPs at a matmul rate and bytes at a PCIe rate, as a fraction of a
-step without levers (3 forwards' FLOPs, about 2 under LoRA): recomputing a layer's matmuls (selective) or all of it (full), the exposed
-part of an offloaded input's round trip, one more MLP forward plus a launch overhead per tile, both AdamW moments over
-PCIe and back per step. The rates only rank plans; they need to be right in proportion, not to the percent.
+step without levers (3 forwards' FLOPs, about 2 under LoRA): recomputing a layer's matmuls (selective) or all of it
+(full), the exposed part of an offloaded input's round trip, one more MLP forward plus a launch overhead per tile, both
+AdamW moments over PCIe and back per step. The rates only rank plans; they need to be right in proportion, not to the
+percent.
 
 One cost-ordered list for every budget
 --------------------------------------
