@@ -253,10 +253,12 @@ def base_model(config_name="tiny", seed=0):
 
 
 def held_out_batches(flags, output_dir):
-    """The held-out batches of the run, as the scripts make them (the end of the text, UTF-8 bytes as tokens)."""
+    """The held-out token ids of the run, batch by batch, as the scripts make them (the end of the text, UTF-8 bytes
+    as tokens; each batch holds the ids, the shifted labels and the positions)."""
     import finetune_baseline
     args = finetune_baseline.parse_args([*flags, "--output-dir", str(output_dir)])
-    return finetune_baseline.load_data(args, base_model().config, "cpu", 0, 1)[1]["eval"]
+    _, batches = finetune_baseline.load_data(args, base_model().config, "cpu", 0, 1)
+    return [ids for ids, _, _ in batches["eval"]["steps"]]
 
 
 def test_saved_adapters_reload_with_peft_and_give_the_held_out_loss(lora_runs):
