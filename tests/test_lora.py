@@ -351,3 +351,20 @@ def test_resume_refuses_adapters_of_another_run_in_one_line(lora_runs, other, th
         out = tmp_path / "out.json"
         run_failing([str(ROOT / "finetune_baseline.py"), *flags, "--out", str(out)], tmp_path, expected)
         assert not out.exists()
+
+
+def test_lora_on_packed_conversations_in_both_scripts(tmp_path):
+    """LoRA and conversation data together: the same packed conversations, answers as the only targets, give the
+    same losses in both scripts (our kernels under the adapters), and the loss moves."""
+    rows = [{"messages": [{"role": "user", "content": f"question {i}: " + "why? " * (i % 5 + 1)},
+                          {"role": "assistant", "content": f"answer {i}: " + "because. " * (i % 3 + 2)}]}
+            for i in range(12)]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--lora", "4", "--data", str(data), "--seq-len", "128", "--steps", "3", "--lr", "1e-2"]
+    results = {script: run_script(script, tmp_path / f"{script}.json", *flags)[0]
+               for script in ("finetune_baseline.py", "finetune_optimized.py")}
+    baseline, ours = results["finetune_baseline.py"], results["finetune_optimized.py"]
+    assert ours["lora"]["trainable_params"] == baseline["lora"]["trainable_params"] > 0
+    assert ours["losses"] == pytest.approx(baseline["losses"], rel=2e-5)
+    assert abs(ours["losses"][-1] - ours["losses"][0]) > 1e-3
