@@ -816,9 +816,8 @@ def plan_memory(args, model_bytes, host_budget_bytes, device, tried=()):
     else:
         free, _ = torch.cuda.mem_get_info(device)
         # What the caching allocator holds (the weights, and the probe's freed blocks it keeps cached) is this
-        # process's to use, on top of what the driver reports free; keep 3 % + 1 GiB for the CUDA context's growth,
-        # cuBLAS workspaces and the allocator's rounding.
-        budget, where = int(0.97 * (free + torch.cuda.memory_reserved(device))) - 2**30, "this GPU"
+        # process's to use, on top of what the driver reports free.
+        budget, where = usable_gpu_bytes(free + torch.cuda.memory_reserved(device)), "this GPU"
     host = host_budget_bytes
     if args.save_steps:  # a checkpoint of the weights and the optimizer state is staged in host memory too
         host = max(0, host - model_bytes.param_bytes - model_bytes.optimizer_state_bytes)
