@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_leaves
 # The kernel modules come BEFORE transformers: without a GPU they switch Triton to its CPU interpreter, which only
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from linear_cross_entropy_kernel import linear_cross_entropy
+from lora_adapters import add_adapters
 from rmsnorm_kernel import apply_rmsnorm
 from rope_kernel import apply_rope
 from swiglu_kernel import apply_glu_mlp
@@ -175,17 +176,10 @@ def our_kernels(model):
 
 def lora_and_our_kernels(rank, nf4_base=False):
     """patch_model for a LoRA fine-tune as finetune_optimized.py --lora R [--qlora] runs it: peft's adapters of rank R
-    on every Linear of the decoder layers (peft's "all-linear", not the lm_head), the rest frozen; with nf4_base the
-    base's decoder Linears first stored in torchao's NF4 (4-bit codes in blocks of 64, block scales in groups of 256);
-    then our kernels."""
+    on every Linear of the decoder layers, the rest frozen, the base in NF4 with nf4_base (lora_adapters.py); then our
+    kernels."""
     def patch(model):
-        from peft import LoraConfig, get_peft_model
-        from torchao.quantization import to_nf4
-        for linear in model.model.layers.modules() if nf4_base else ():
-            if isinstance(linear, torch.nn.Linear):
-                groups = math.gcd(256, linear.weight.numel() // 64)  # a tiny config's weight may hold fewer blocks
-                linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), 64, groups), requires_grad=False)
-        get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+        add_adapters(model, rank, nf4_base=nf4_base)
         our_kernels(model)
     return patch
 

@@ -49,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 # works if that happens before anything (transformers' LLaMA code does) imports Triton.
 from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import linear_cross_entropy
+from lora_adapters import add_adapters
 from rmsnorm_kernel import apply_rmsnorm
 from rope_kernel import apply_rope
 from swiglu_kernel import apply_glu_mlp
@@ -437,9 +438,7 @@ def main(argv=None):
     config = model.config
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
     if args.lora:  # before the kernels, as in the fine-tune scripts: they run on the peft-wrapped model
-        from peft import LoraConfig, get_peft_model
-        get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
-                                         task_type="CAUSAL_LM"))
+        add_adapters(model, args.lora)
 
     # --- kernel replacements: each kernel module's entry point checks the count for the model's family (65 RMSNorms
     # for 8B: two per decoder layer plus the final norm; one MLP and one attention per layer), so a flag that replaces

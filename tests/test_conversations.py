@@ -37,12 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import finetune_optimized  # noqa: E402  (first: the kernel modules set up Triton before transformers loads it)
 import finetune_baseline  # noqa: E402
+import training_data  # noqa: E402
 from rmsnorm_kernel import apply_rmsnorm  # noqa: E402
 from rope_kernel import apply_rope  # noqa: E402
 from swiglu_kernel import apply_glu_mlp  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 SCRIPTS = {"baseline": finetune_baseline, "optimized": finetune_optimized}
+# Where each script's data code lives: the baseline carries it inline, the optimized script imports training_data.
+DATA_CODE = {"baseline": finetune_baseline, "optimized": training_data}
 FAMILIES = ["tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 RTOL = 2e-5
 CHAT = [{"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]},
@@ -68,7 +71,7 @@ def restore_rope(monkeypatch):
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
 
 
-@pytest.mark.parametrize("module", SCRIPTS.values(), ids=SCRIPTS)
+@pytest.mark.parametrize("module", DATA_CODE.values(), ids=DATA_CODE)
 def test_chat_targets_are_the_assistant_turns(module):
     args = options(data_format="chat", seq_len=512)
     targets = []
@@ -112,7 +115,7 @@ def trained_tokenizer():
     return fast
 
 
-@pytest.mark.parametrize("module", SCRIPTS.values(), ids=SCRIPTS)
+@pytest.mark.parametrize("module", DATA_CODE.values(), ids=DATA_CODE)
 def test_chat_targets_through_a_tokenizer(module):
     tokenizer = trained_tokenizer()
     args = options(data_format="chat")
@@ -124,7 +127,7 @@ def test_chat_targets_through_a_tokenizer(module):
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHAT[1]["messages"], tokenize=False)
 
 
-@pytest.mark.parametrize("module", SCRIPTS.values(), ids=SCRIPTS)
+@pytest.mark.parametrize("module", DATA_CODE.values(), ids=DATA_CODE)
 def test_prompt_completion_targets_are_the_completion_and_eos(module):
     args = options(data_format="prompt-completion")
     ids, flags = module.conversation_tokens(args, "pc.jsonl", 0, {"prompt": "Q: hi\nA:", "completion": " hello"},
@@ -215,9 +218,9 @@ def test_packed_row_equals_each_conversation_alone(family, script, restore_rope)
         model_with_loss = module.ModelWithLoss(model, "eager")
     # 20 > the tiny Gemma/Phi-3 sliding windows (16): the windowed layers really mask within a conversation too
     conversations = random_conversations(model.config.vocab_size, (20, 7, 9))
-    packed = module.conversation_rows(conversations, [[0, 1, 2]], 40, pad_id=0)
+    packed = DATA_CODE[script].conversation_rows(conversations, [[0, 1, 2]], 40, pad_id=0)
     # each conversation in a row of its own, right-padded (causal attention never reaches the padding after it)
-    alone = module.conversation_rows(conversations, [[0], [1], [2]], 20, pad_id=0)
+    alone = DATA_CODE[script].conversation_rows(conversations, [[0], [1], [2]], 20, pad_id=0)
     reference = loss_and_gradients(model_with_loss, [alone], documents=False)
     assert differs(loss_and_gradients(model_with_loss, [packed], documents=True), reference) < RTOL
     if script == "optimized":  # the check of the check below needs no kernels (and costs interpreter time)
@@ -236,7 +239,8 @@ def test_ignored_positions_get_no_gradient(script, restore_rope):
     if script == "optimized":
         patch_our_kernels(model)
     model_with_loss = module.ModelWithLoss(model, "linear_ce" if script == "optimized" else "eager")
-    packed = module.conversation_rows(random_conversations(model.config.vocab_size, (9, 12)), [[0, 1]], 24, 0)
+    packed = DATA_CODE[script].conversation_rows(random_conversations(model.config.vocab_size, (9, 12)), [[0, 1]],
+                                                 24, 0)
     final_hidden = []
 
     def keep_final_hidden(module, inputs, output):
@@ -318,12 +322,12 @@ def test_torch_varlen_keeps_packed_conversations_apart(family, script, monkeypat
     model = build(family)
     model_with_loss = module.ModelWithLoss(model, "eager")
     conversations = random_conversations(model.config.vocab_size, (20, 7, 9))
-    alone = module.conversation_rows(conversations, [[0], [1], [2]], 20, pad_id=0)
+    alone = DATA_CODE[script].conversation_rows(conversations, [[0], [1], [2]], 20, pad_id=0)
     reference = loss_and_gradients(model_with_loss, [alone], documents=False)
     model.set_attn_implementation("torch_varlen")
-    packed = module.conversation_rows(conversations, [[0, 1, 2]], 40, pad_id=0)
+    packed = DATA_CODE[script].conversation_rows(conversations, [[0, 1, 2]], 40, pad_id=0)
     assert differs(loss_and_gradients(model_with_loss, [packed], documents=True), reference) < RTOL
-    assert module.attention_inputs(model, packed[2:3, 0])["cu_seq_lens_q"].tolist() == [0, 20, 27, 36, 40]
+    assert DATA_CODE[script].attention_inputs(model, packed[2:3, 0])["cu_seq_lens_q"].tolist() == [0, 20, 27, 36, 40]
 
 
 def test_ours_trains_packed_conversations_like_the_baseline(tmp_path, restore_rope):

@@ -39,6 +39,8 @@ import finetune_optimized  # noqa: E402  (first: the kernel modules must set up 
 import finetune_baseline  # noqa: E402
 import memory_plan  # noqa: E402
 import profile_baseline  # noqa: E402
+import training_data  # noqa: E402
+import transformers  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 # The kernels run on the GPU when there is one (the CPU interpreter otherwise): in-process models and inputs go there.
@@ -229,12 +231,12 @@ def write_data_set(kind, folder):
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("module", [finetune_baseline, finetune_optimized], ids=["baseline", "optimized"])
+@pytest.mark.parametrize("module", [finetune_baseline, training_data], ids=["baseline", "optimized"])
 @pytest.mark.parametrize("kind", ["save_to_disk", "save_to_disk_dict", "json", "jsonl", "parquet", "csv", "txt",
                                   "folder"])
 def test_data_formats(kind, module, tmp_path):
     data, field, texts = write_data_set(kind, tmp_path)
-    args = module.parse_args(["--model", "tiny", "--data", str(data), "--text-field", field])
+    args = finetune_baseline.parse_args(["--model", "tiny", "--data", str(data), "--text-field", field])
     stream = module.load_token_stream(args, args.data, EOS, None, tokens_needed=10**6)
     assert stream.tolist() == expected_stream(texts)
     # a run needs fewer tokens than the data set holds: reading stops once it has them
@@ -290,9 +292,11 @@ def test_the_hub_is_asked_only_with_allow_download(module, allow_download, monke
     with pytest.raises(SystemExit, match="not cached"):  # no config of that name either: the one error line
         module.load_model(args, DEVICE, torch.float32)
     expected = [("some-org/not-a-builtin", not allow_download)]
-    if hasattr(module, "load_tokenizer"):
-        monkeypatch.setattr(module.AutoTokenizer, "from_pretrained", not_cached)
-        assert module.load_tokenizer(args) is None  # UTF-8 bytes instead, said so
+    load_tokenizer = training_data.load_tokenizer if module is finetune_optimized else getattr(module,
+                                                                                                 "load_tokenizer", None)
+    if load_tokenizer:
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_cached)
+        assert load_tokenizer(args) is None  # UTF-8 bytes instead, said so
         expected.append(("some-org/not-a-builtin", not allow_download))
     assert asked == expected
 
