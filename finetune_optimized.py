@@ -20,7 +20,8 @@ The playbook's step 11, second half: finetune_baseline.py (the stock reference) 
      checkpoint reuses (the baseline writes them the stock way, waiting for the disk);
   6. --fp8 RECIPE: every Linear of the decoder layers trains in float8 (torchao's recipes, a GPU of compute
      capability 8.9+), each layer compiled so the casts fuse; the lm_head stays in the fused loss (float8_training.py).
-Everything else -- model, data, LoRA (peft), loop, resume, evaluation, JSON -- is the baseline's, line for line.
+Everything else -- model, loop, resume, evaluation, JSON -- is the baseline's, line for line; so are the data
+(training_data.py) and peft's LoRA (lora_adapters.py), which this script imports where the baseline has them inline.
 README.md tells which models and data it takes (without cached weights: the same architecture with RANDOM weights,
 said so). Under --lora the kernels run on the peft-wrapped model and spend nothing on a frozen weight's gradient.
 
