@@ -346,27 +346,32 @@ def quantize_to_nf4(model):
                                            requires_grad=False)
 
 
-def apply_lora(args, model):
-    """peft's LoRA on the model, in place: every target Linear becomes a peft LoraLayer around it (adapters A [R, in],
-    B [out, R], B zero so training starts at the base model), and every other parameter is frozen (requires_grad
-    False: no gradient, no optimizer state). --qlora first stores the base's decoder Linears in NF4. Returns the
-    PeftModel, for saving the adapters and merging them; training calls the model itself, which is what peft's forward
-    calls for LoRA. None without --lora."""
-    if args.lora is None:
-        return None
+def add_adapters(model, rank, alpha=None, dropout=0.0, targets=None, nf4_base=False):
+    """peft's LoRA on the model, in place: every target Linear of the decoder layers (default: all of them, peft's
+    "all-linear", which leaves out the lm_head) becomes a LoraLayer around it, and every other parameter is frozen
+    (requires_grad False: no gradient, no optimizer state). nf4_base first stores the decoder Linears in NF4. Returns
+    the PeftModel, for saving the adapters and merging them; training calls the model itself, which is what peft's
+    forward calls for LoRA."""
     from peft import LoraConfig, get_peft_model
-    if args.lora_targets:  # peft's own error for a missing target names no alternative: this one lists them
+    if targets:  # peft's own error for a missing target names no alternative: this one lists them
         linears = {name.rsplit(".", 1)[-1] for name, module in model.model.layers.named_modules()
                    if isinstance(module, torch.nn.Linear)}
-        unknown = sorted(set(args.lora_targets) - linears)
+        unknown = sorted(set(targets) - linears)
         if unknown:
             raise SystemExit(f"error: --lora-targets {' '.join(unknown)}: no such Linear in "
                              f"{model.config.model_type}'s decoder layers; its Linears: {' '.join(sorted(linears))}")
-    if args.qlora:
+    if nf4_base:
         quantize_to_nf4(model)
-    config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, lora_dropout=args.lora_dropout,
-                        target_modules=args.lora_targets or "all-linear", task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout,
+                        target_modules=targets or "all-linear", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def apply_lora(args, model):
+    """add_adapters with the run's --lora flags; None without --lora."""
+    if args.lora is None:
+        return None
+    return add_adapters(model, args.lora, args.lora_alpha, args.lora_dropout, args.lora_targets, args.qlora)
 
 
 def trainable_parameters(model):
@@ -383,6 +388,13 @@ def lora_report(args, model):
     trainable = sum(param.numel() for param in trainable_parameters(model))
     return {**lora_settings(args), "alpha": args.lora_alpha or 2 * args.lora, "dropout": args.lora_dropout,
             "trainable_params": trainable, "total_params": total}
+
+
+def describe_adapters(report):
+    """The header's LoRA line, from lora_report."""
+    return (f"LoRA: rank {report['r']}, alpha {report['alpha']:g}, dropout {report['dropout']:g} on {report['targets']}"
+            f"{', base in NF4' if report['base_format'] == 'nf4' else ''}: {report['trainable_params']:,} of "
+            f"{report['total_params']:,} parameters train")
 
 
 def dequantize_nf4(model):
@@ -1256,10 +1268,7 @@ def fine_tune(argv=None):
           f"vocab {config.vocab_size}, {str(dtype).replace('torch.', '')}, attn {args.attn_implementation} "
           f"({attention_reason})")
     if lora_model is not None:
-        lora = lora_report(args, model)
-        print(f"LoRA: rank {args.lora}, alpha {lora['alpha']:g}, dropout {args.lora_dropout:g} on {lora['targets']}"
-              f"{', base in NF4' if args.qlora else ''}: {lora['trainable_params']:,} of {lora['total_params']:,} "
-              f"parameters train")
+        print(describe_adapters(lora_report(args, model)))
     print(f"{Path(__file__).name}: variant {variant}, optimizer {args.optimizer}, lr {args.lr} ({args.lr_scheduler}), "
           f"data {args.data} ({data_kind}), checkpointing {args.activation_checkpointing}"
           + f", replaced {replaced}" * bool(replaced)

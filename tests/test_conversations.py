@@ -62,15 +62,6 @@ def options(**overrides):
     return args
 
 
-@pytest.fixture
-def restore_rope(monkeypatch):
-    """apply_rope replaces a module-level function (process-wide): put each family's original back after the test."""
-    import importlib
-    for module in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
-        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-
-
 @pytest.mark.parametrize("module", DATA_CODE.values(), ids=DATA_CODE)
 def test_chat_targets_are_the_assistant_turns(module):
     args = options(data_format="chat", seq_len=512)

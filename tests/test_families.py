@@ -77,15 +77,6 @@ def gradients(model):
     return {name: p.grad.double().clone() for name, p in model.named_parameters()}
 
 
-@pytest.fixture
-def restore_rope(monkeypatch):
-    """apply_rope replaces a module-level function (process-wide): put each family's original back after the test."""
-    import importlib
-    for module in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
-        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-
-
 def test_the_tables_name_the_same_families():
     assert set(RMSNORM_FAMILIES) == set(GLU_MLP_FAMILIES) == set(ROPE_FAMILIES) == set(FAMILIES)
 

@@ -39,6 +39,7 @@ import finetune_optimized  # noqa: E402  (first: the kernel modules must set up 
 import finetune_baseline  # noqa: E402
 import memory_plan  # noqa: E402
 import profile_baseline  # noqa: E402
+import lora_adapters  # noqa: E402
 import training_data  # noqa: E402
 import transformers  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
@@ -316,7 +317,8 @@ def test_model_path_with_tilde_is_the_same_folder_for_weights_and_tokenizer(modu
     args = module.parse_args(["--model=~/tiny-llama"])
     assert args.model == str(folder)
     if module is not profile_baseline:  # the profiler trains on random tokens: no tokenizer
-        assert module.load_tokenizer(args)("hello world")["input_ids"] == [4, 5]
+        load_tokenizer = training_data.load_tokenizer if module is finetune_optimized else module.load_tokenizer
+        assert load_tokenizer(args)("hello world")["input_ids"] == [4, 5]
         assert "no tokenizer" not in capsys.readouterr().out
 
 
@@ -360,16 +362,22 @@ SHARED = ["run_info", "first_line", "builtin_config", "load_model", "data_rows",
           "resolve_data_format", "packed_documents", "choose_attention", "chat_template_of", "render_chat",
           "encode_with_offsets", "check_messages", "conversation_tokens", "load_conversations", "pack_conversations",
           "conversation_rows", "text_batch", "targets_per_rank", "token_share", "check_lora_flags", "lora_settings",
-          "describe_lora", "quantize_to_nf4", "apply_lora", "trainable_parameters", "lora_report", "dequantize_nf4"]
+          "describe_lora", "quantize_to_nf4", "add_adapters", "apply_lora", "trainable_parameters", "lora_report",
+          "describe_adapters", "dequantize_nf4", "torch_varlen_attention", "attention_inputs"]
+
+
+def optimized_side(name):
+    """Where the optimized script's copy of a shared part lives: the script, or a module it imports them from."""
+    return next(getattr(module, name) for module in (finetune_optimized, training_data, lora_adapters)
+                if hasattr(module, name))
 
 
 def test_stock_parts_are_parallel_text():
     for name in SHARED:
-        assert inspect.getsource(getattr(finetune_baseline, name)) == \
-            inspect.getsource(getattr(finetune_optimized, name)), name
+        assert inspect.getsource(getattr(finetune_baseline, name)) == inspect.getsource(optimized_side(name)), name
     for name in ["SOFTCAP_ATTENTION", "DATA_FILE_BUILDERS", "UNNAMED_OPTIONS", "DTYPES", "ATTN_IMPLEMENTATIONS",
                  "LR_SCHEDULERS", "SEARCH_RETIME_S", "DATA_FORMATS", "BYTE_CHAT_TEMPLATE"]:
-        assert getattr(finetune_baseline, name) == getattr(finetune_optimized, name), name
+        assert getattr(finetune_baseline, name) == optimized_side(name), name
     assert finetune_baseline.ATTN_IMPLEMENTATIONS == profile_baseline.ATTN_IMPLEMENTATIONS
     for name in ["run_info", "first_line", "builtin_config", "load_model"]:
         assert inspect.getsource(getattr(finetune_baseline, name)) == \

@@ -31,7 +31,6 @@ tiny LLaMA with our RMSNorm, SwiGLU and RoPE patched in and the loss through the
   corpus is the standard library's source. configs/llama-small's decoder Linears all suit the FP8 matmul.
 """
 import dataclasses
-import importlib
 import json
 import re
 import sys
@@ -64,12 +63,8 @@ MAX_LOSS_ERROR = 2 ** -4
 MAX_GRAD_ERROR = 2 ** -1
 
 
-@pytest.fixture(autouse=True)
-def restore_rope(monkeypatch):
-    """apply_rope replaces a module-level function (process-wide): put the originals back after each test."""
-    for module in ("llama", "phi3"):
-        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+# apply_rope replaces a module-level function (process-wide): every test starts from the stock ones (conftest.py)
+pytestmark = pytest.mark.usefixtures("restore_rope")
 
 
 @pytest.fixture

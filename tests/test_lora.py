@@ -38,8 +38,7 @@ from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import apply_rmsnorm, rms_norm  # noqa: E402
 from rope_kernel import apply_rope  # noqa: E402
 from swiglu_kernel import apply_glu_mlp  # noqa: E402
-# restore_rope: the fixture that puts each family's RoPE function back after our patch
-from test_families import FAMILIES, build, our_loss, restore_rope, stock_loss  # noqa: E402,F401
+from test_families import FAMILIES, build, our_loss, stock_loss  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 peft = pytest.importorskip("peft")
