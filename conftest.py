@@ -17,15 +17,14 @@ if not torch.cuda.is_available():
 # Each family's stock RoPE function, taken before any test runs. rope_kernel.apply_rope replaces a family's
 # apply_rotary_pos_emb in its modeling module, process-wide, and a fine-tune run in-process by one test leaves it
 # replaced for the tests after it in the same worker.
-ROPE_FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-STOCK_ROPE = {family: importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
-              for family in ROPE_FAMILY_MODULES}
+STOCK_ROPE = {modeling: modeling.apply_rotary_pos_emb for modeling in (
+    importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"))}
 
 
 @pytest.fixture
 def restore_rope(monkeypatch):
     """Every family's stock apply_rotary_pos_emb during the test (whatever ran before it), and what was there before
     put back after it."""
-    for family, stock in STOCK_ROPE.items():
-        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    for modeling, stock in STOCK_ROPE.items():
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", stock)
